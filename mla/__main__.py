@@ -1,0 +1,5 @@
+import sys
+
+from mla.cli import main
+
+sys.exit(main())

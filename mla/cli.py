@@ -1,0 +1,58 @@
+"""Command line entry point: `mla <verb> ...` and `python -m mla <verb> ...`.
+
+Each verb lives in its own module under `mla.commands`, exposing `HELP` (one line),
+`add_arguments(parser)` and `run(args) -> int`. Modules import torch/transformers lazily inside
+`run`, so `mla --help` and argument errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb -> module; the order is the order of a study (download ... plot)
+COMMANDS = {
+    "download": "mla.commands.download",
+    "plan": "mla.commands.plan",
+    "calibrate": "mla.commands.calibrate",
+    "convert": "mla.commands.convert",
+    "data": "mla.commands.data",
+    "train": "mla.commands.train",
+    "evaluate": "mla.commands.evaluate",
+    "plot": "mla.commands.plot",
+    "table": "mla.commands.table",
+}
+
+
+class UserError(Exception):
+    """A problem with the user's input (config, paths, options); printed without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mla", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # verb not built yet
+        p = sub.add_parser(verb, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"mla {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `mla` verb (see mla.cli.COMMANDS)."""
