@@ -25,8 +25,7 @@ COMMANDS = {
 }
 
 
-class UserError(Exception):
-    """A problem with the user's input (config, paths, options); printed without a traceback."""
+from mla.errors import UserError  # noqa: E402  (re-exported for the command modules)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except UserError as exc:
+    except UserError as exc:  # bad input: one line, no traceback
         print(f"mla {args.verb}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,24 @@
+"""`mla convert`: MHA/GQA checkpoint -> MLA checkpoint (+ conversion.json)."""
+
+HELP = "convert a Llama-family checkpoint to Multi-head Latent Attention (partial RoPE + SVD)"
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True, help="source checkpoint folder")
+    p.add_argument("--out", required=True, help="MLA checkpoint folder to write")
+    p.add_argument("--d-kv", type=int, required=True, help="latent size per KV head (paper's d_kv)")
+    p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16)")
+    p.add_argument("--rope-strategy", default="2-norm", choices=["high", "low", "uniform", "2-norm"],
+                   help="which pairs keep RoPE (default 2-norm, which needs --scores)")
+    p.add_argument("--scores", help="2-norm scores file from `mla calibrate`")
+    p.add_argument("--svd", default="joint", choices=["joint", "split"],
+                   help="joint: one SVD of [W_k,nope; W_v]; split: K and V separately at half width each")
+
+
+def run(args):
+    from mla import convert
+
+    report = convert.convert_checkpoint(args.model, args.out, d_kv=args.d_kv, r=args.r,
+                                        strategy=args.rope_strategy, scores_path=args.scores, svd=args.svd)
+    print(convert.main_report_line(report))
+    return 0

@@ -1,0 +1,221 @@
+"""MHA/GQA -> MLA conversion of a Llama-family model (paper §2–3, recipe §10).
+
+Per layer: the query rows are permuted per head to [rope dims | nope dims] (the order of the key's
+dims in the converted attention, so q·k is unchanged); the kept RoPE rows of W_k become k_rope_proj;
+[W_k,nope ; W_v] is factorised by SVD into kv_down and k_up / v_up. Everything else is reused as is.
+
+The conversion streams layer by layer: the MLA model is built on the meta device and each layer's new
+weights are assigned as they are computed, while the source layer's K/V weights are released, so the
+process never holds two copies of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from mla import lowrank, partial_rope, shapes
+from mla.errors import UserError
+
+
+def _mla_config(src_config, kv_lora_rank: int, pairs: torch.Tensor, split: bool, provenance: dict):
+    from mla.modeling import MLAConfig
+
+    allowed = {f.name for f in fields(MLAConfig)}
+    values = {k: v for k, v in src_config.to_dict().items() if k in allowed}
+    values.update(kv_lora_rank=kv_lora_rank, rope_pairs=pairs.tolist(), latent_split=split, mha2mla=provenance)
+    config = MLAConfig(**values)
+    config.architectures = ["MLAForCausalLM"]
+    config._attn_implementation = src_config._attn_implementation
+    return config
+
+
+def _gather_rows(weight: torch.Tensor, index: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a per-head projection [heads·d_h, ...] picked per head: index [heads, k] -> [heads·k, ...]."""
+    heads = index.shape[0]
+    w = weight.reshape(heads, head_dim, *weight.shape[1:])
+    idx = index.reshape(heads, -1, *([1] * (weight.dim() - 1))).expand(-1, -1, *weight.shape[1:])
+    return torch.gather(w, 1, idx).reshape(-1, *weight.shape[1:])
+
+
+def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_dim: int) -> tuple[dict, float]:
+    """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's relative error."""
+    n_kv = pairs.shape[0]
+    groups = attn.q_proj.weight.shape[0] // head_dim // n_kv
+    perm_q = partial_rope.head_permutation(pairs, head_dim).repeat_interleave(groups, dim=0)
+    rope_k = partial_rope.rope_dims(pairs, head_dim)
+    nope_k = partial_rope.nope_dims(pairs, head_dim)
+
+    out = {"q_proj.weight": _gather_rows(attn.q_proj.weight.data, perm_q, head_dim),
+           "k_rope_proj.weight": _gather_rows(attn.k_proj.weight.data, rope_k, head_dim),
+           "o_proj.weight": attn.o_proj.weight.data}
+    k_nope = _gather_rows(attn.k_proj.weight.data, nope_k, head_dim)
+    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, svd)
+    dtype = attn.q_proj.weight.dtype
+    out.update({"kv_down.weight": factors.down.to(dtype), "k_up.weight": factors.up_k.to(dtype),
+                "v_up.weight": factors.up_v.to(dtype)})
+    if attn.q_proj.bias is not None:  # biases follow their rows; the latent has none
+        out["q_proj.bias"] = _gather_rows(attn.q_proj.bias.data, perm_q, head_dim)
+        out["k_rope_proj.bias"] = _gather_rows(attn.k_proj.bias.data, rope_k, head_dim)
+        out["k_up.bias"] = _gather_rows(attn.k_proj.bias.data, nope_k, head_dim)
+        out["v_up.bias"] = attn.v_proj.bias.data
+    if attn.o_proj.bias is not None:
+        out["o_proj.bias"] = attn.o_proj.bias.data
+    # SVD factors and gathered rows may be strided views; checkpoints need plain dense tensors
+    return {k: v.contiguous() for k, v in out.items()}, factors.relative_error
+
+
+def resolve_options(config: dict, d_kv: int, r: int | None, strategy: str, svd: str) -> tuple[int, int]:
+    """Validate the conversion options against a model config; returns (r, kv_lora_rank)."""
+    shapes.check_family(config)
+    s = shapes.shape_of(config)
+    r = partial_rope.default_r(s.head_dim) if r is None else r
+    try:
+        partial_rope.check_r(r, s.head_dim)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if strategy not in partial_rope.STRATEGIES:
+        raise UserError(f"unknown --rope-strategy {strategy!r}; choose one of {', '.join(partial_rope.STRATEGIES)}")
+    if svd not in lowrank.METHODS:
+        raise UserError(f"unknown --svd {svd!r}; choose one of {', '.join(lowrank.METHODS)}")
+    if d_kv <= 0:
+        raise UserError(f"d_kv must be a positive integer, got {d_kv}")
+    rank = s.kv_heads * d_kv
+    rows_k, rows_v = s.kv_heads * (s.head_dim - 2 * r), s.kv_heads * s.head_dim
+    full = lowrank.max_rank(svd, rows_k, rows_v, s.hidden)
+    if rank > full:
+        raise UserError(f"d_kv={d_kv} is larger than full rank: n_kv·d_kv = {rank} but [W_k,nope; W_v] has rank "
+                        f"at most {full} here (n_kv={s.kv_heads}, d_h={s.head_dim}, r={r}, hidden={s.hidden}, "
+                        f"svd={svd}); the largest d_kv is {full // s.kv_heads}")
+    if svd == "split" and rank % 2:
+        raise UserError(f"--svd split needs an even n_kv·d_kv, got {rank}")
+    return r, rank
+
+
+def load_scores(path: str | Path | None) -> torch.Tensor | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"scores file {p} does not exist (run `mla calibrate` first)")
+    data = torch.load(p, map_location="cpu", weights_only=True)
+    return data["scores"] if isinstance(data, dict) else data
+
+
+@torch.no_grad()
+def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high", scores=None,
+                  svd: str = "joint", release_source: bool = False):
+    """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
+
+    With `release_source`, each source layer's attention is dropped once converted (streaming).
+    """
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from mla.modeling import MLAForCausalLM
+
+    src_cfg = model.config
+    cfg_dict = src_cfg.to_dict()
+    r, rank = resolve_options(cfg_dict, d_kv, r, strategy, svd)
+    s = shapes.shape_of(cfg_dict)
+    if isinstance(scores, (str, Path)):
+        scores = load_scores(scores)
+    try:
+        pairs = partial_rope.select_pairs(strategy, r, s.layers, s.kv_heads, s.head_dim, scores)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    provenance = {"d_kv": d_kv, "r": r, "rope_strategy": strategy, "svd": svd,
+                  "source": getattr(src_cfg, "_name_or_path", "") or ""}
+    config = _mla_config(src_cfg, rank, pairs, svd == "split", provenance)
+    dtype = next(model.parameters()).dtype
+    config.dtype = dtype
+
+    with torch.device("meta"):
+        mla_model = MLAForCausalLM(config)
+    new_state = {}
+    for name, tensor in model.state_dict().items():
+        if ".self_attn." not in name:
+            new_state[name] = tensor
+    errors = []
+    for i, layer in enumerate(model.model.layers):
+        weights, err = convert_layer(layer.self_attn, pairs[i], rank, svd, s.head_dim)
+        errors.append(err)
+        new_state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
+        if release_source:
+            layer.self_attn = torch.nn.Identity()
+    missing, unexpected = mla_model.load_state_dict(new_state, strict=False, assign=True)
+    missing = [k for k in missing if not k.startswith("lm_head.") or not src_cfg.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"conversion produced a mismatched state dict: missing {missing}, unexpected {unexpected}")
+    mla_model.model.rotary_emb = LlamaRotaryEmbedding(config=config)   # non-persistent buffers: rebuild
+    mla_model.tie_weights()
+    leftovers = [n for n, t in list(mla_model.named_parameters()) + list(mla_model.named_buffers()) if t.is_meta]
+    if leftovers:
+        raise RuntimeError(f"conversion left uninitialised tensors: {leftovers}")
+    mla_model.eval()
+
+    plan = shapes.plan(cfg_dict, d_kv, r, split=svd == "split")
+    report = {**plan, "rope_strategy": strategy, "svd": svd,
+              "params_before_counted": count_parameters(model) if not release_source else None,
+              "params_after_counted": count_parameters(mla_model),
+              "reconstruction_error_per_layer": errors,
+              "reconstruction_error_mean": sum(errors) / len(errors)}
+    return mla_model, report
+
+
+def count_parameters(model) -> int:
+    """Unique parameters without the output head (the paper's Table 4 convention)."""
+    seen, total = set(), 0
+    head = model.get_output_embeddings()
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    embed_ids = {id(p) for p in model.get_input_embeddings().parameters()}
+    for p in model.parameters():
+        if id(p) in seen or (id(p) in head_ids and id(p) not in embed_ids):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int, r: int | None = None, strategy: str = "high",
+                       scores_path: str | Path | None = None, svd: str = "joint") -> dict:
+    """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`."""
+    from mla import checkpoint
+
+    src, out = checkpoint.require_checkpoint(src), Path(out)
+    config = shapes.read_config(src)
+    resolve_options(config, d_kv, r, strategy, svd)          # fail before loading any weights
+    if strategy == "2-norm" and scores_path is None:
+        raise UserError("--rope-strategy 2-norm needs --scores (from `mla calibrate`)")
+    scores = load_scores(scores_path)
+    model = checkpoint.load_model(src)
+    mla_model, report = convert_model(model, d_kv, r, strategy, scores, svd, release_source=True)
+    report["source_checkpoint"] = str(src)
+    report["scores_file"] = str(scores_path) if scores_path else None
+    mla_model.config.mha2mla["source"] = str(src)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        mla_model.save_pretrained(tmp)
+        checkpoint.copy_tokenizer_files(src, tmp)
+        (tmp / "conversion.json").write_text(json.dumps(report, indent=2))
+        checkpoint.replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def main_report_line(report: dict) -> str:
+    return (f"d_kv={report['d_kv']} r={report['r']} params {report['params_before'] / 1e6:.2f}M -> "
+            f"{report['params_after'] / 1e6:.2f}M, KV/token {report['kv_elements_per_token_before']} -> "
+            f"{report['kv_elements_per_token_after']} ({report['kv_reduction_percent']:.2f}% less), "
+            f"mean SVD error {report['reconstruction_error_mean']:.4f}")
+
+
+__all__ = ["convert_model", "convert_checkpoint", "count_parameters", "resolve_options"]

@@ -1,0 +1,11 @@
+"""The MLA model classes, registered with transformers' Auto classes on import."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .configuration_mla import MLAConfig
+from .modeling_mla import MLACache, MLAForCausalLM
+
+AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
+
+__all__ = ["MLAConfig", "MLAForCausalLM", "MLACache"]

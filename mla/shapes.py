@@ -1,0 +1,133 @@
+"""Model shapes: reading configs, checking the family, counting parameters and KV-cache size.
+
+Parameters are counted as the paper's Table 4 counts them: every weight once, without the output
+head (for tied embeddings the head is the embedding, so nothing changes; for Llama-2-7B the untied
+head's 131M are left out: 6.74B -> 6.61B). Pure arithmetic on the config: no weights needed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mla.errors import UserError
+
+SUPPORTED_FAMILIES = ("llama", "mistral")
+NAMED_SHAPES = {"llama-2-7b": "llama-2-7b.json", "smollm-135m": "smollm-135m.json"}
+_SHAPES_DIR = Path(__file__).with_name("shapes")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a decoder that the conversion arithmetic needs."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json as a dict, from a file, a checkpoint folder, or a named shape (llama-2-7b, smollm-135m)."""
+    name = str(path)
+    if name in NAMED_SHAPES:
+        return json.loads((_SHAPES_DIR / NAMED_SHAPES[name]).read_text())
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"no model config at {path}: give a config.json, a checkpoint folder or one of "
+                        f"{', '.join(NAMED_SHAPES)}")
+    return json.loads(p.read_text())
+
+
+def check_family(config: dict) -> None:
+    """Refuse what the converter cannot convert, naming the reason."""
+    family = config.get("model_type")
+    if family == "mla_llama":
+        raise UserError("this checkpoint is already an MLA model (model_type mla_llama)")
+    if family not in SUPPORTED_FAMILIES:
+        raise UserError(f"unknown or unsupported model family {family!r}: MHA2MLA conversion supports "
+                        f"{', '.join(SUPPORTED_FAMILIES)} (Llama-style decoders with rotate_half RoPE)")
+    if config.get("sliding_window"):
+        raise UserError("sliding-window attention is not supported (set sliding_window to null only if the "
+                        "model was trained without it)")
+    for key in ("q_norm", "k_norm", "qk_norm", "use_qk_norm"):
+        if config.get(key):
+            raise UserError(f"QK-norm ({key}) is not supported: a norm after the key up-projection breaks "
+                            "the latent factorisation")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 or config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError("models whose RoPE already covers only part of each head are not supported")
+
+
+def shape_of(config: dict) -> Shape:
+    heads = config["num_attention_heads"]
+    return Shape(
+        vocab=config["vocab_size"], hidden=config["hidden_size"], intermediate=config["intermediate_size"],
+        layers=config["num_hidden_layers"], heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
+    )
+
+
+def _common_params(s: Shape) -> int:
+    """Everything but the K/V projections: embeddings, q/o, MLP, norms (no output head)."""
+    ab, mb = int(s.attention_bias), int(s.mlp_bias)
+    q = s.hidden * s.heads * s.head_dim + ab * s.heads * s.head_dim
+    o = s.heads * s.head_dim * s.hidden + ab * s.hidden
+    mlp = 3 * s.hidden * s.intermediate + mb * (2 * s.intermediate + s.hidden)
+    per_layer = q + o + mlp + 2 * s.hidden
+    return s.vocab * s.hidden + s.layers * per_layer + s.hidden
+
+
+def params_original(s: Shape) -> int:
+    kv = 2 * (s.hidden * s.kv_heads * s.head_dim + int(s.attention_bias) * s.kv_heads * s.head_dim)
+    return _common_params(s) + s.layers * kv
+
+
+def params_mla(s: Shape, d_kv: int, r: int, split: bool = False) -> int:
+    ab = int(s.attention_bias)
+    rope, nope = 2 * r, s.head_dim - 2 * r
+    latent = s.kv_heads * d_kv
+    up_in = latent // 2 if split else latent
+    kv = (s.hidden * s.kv_heads * rope + ab * s.kv_heads * rope       # k_rope_proj
+          + s.hidden * latent                                          # kv_down (no bias)
+          + up_in * s.kv_heads * nope + ab * s.kv_heads * nope         # k_up
+          + up_in * s.kv_heads * s.head_dim + ab * s.kv_heads * s.head_dim)  # v_up
+    return _common_params(s) + s.layers * kv
+
+
+def kv_elements_original(s: Shape) -> int:
+    """Cached elements per token, summed over layers: K and V of every KV head."""
+    return s.layers * 2 * s.kv_heads * s.head_dim
+
+
+def kv_elements_mla(s: Shape, d_kv: int, r: int) -> int:
+    """Cached elements per token, summed over layers: latent n_kv·d_kv plus RoPE'd keys n_kv·2r."""
+    return s.layers * s.kv_heads * (d_kv + 2 * r)
+
+
+def plan(config: dict, d_kv: int, r: int, split: bool = False) -> dict:
+    """What a conversion gives, from the config alone."""
+    s = shape_of(config)
+    before, after = params_original(s), params_mla(s, d_kv, r, split)
+    kv_before, kv_after = kv_elements_original(s), kv_elements_mla(s, d_kv, r)
+    return {
+        "model_type": config.get("model_type"), "layers": s.layers, "heads": s.heads, "kv_heads": s.kv_heads,
+        "head_dim": s.head_dim, "d_kv": d_kv, "r": r, "kv_lora_rank": s.kv_heads * d_kv,
+        "params_before": before, "params_after": after,
+        "kv_elements_per_token_before": kv_before, "kv_elements_per_token_after": kv_after,
+        "kv_ratio": kv_after / kv_before, "kv_reduction_percent": round(100 * (1 - kv_after / kv_before), 4),
+    }

