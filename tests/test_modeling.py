@@ -208,3 +208,24 @@ def test_training_forward_backward_reaches_every_mla_parameter():
     attn = model.model.layers[0].self_attn
     for name in ("q_proj", "k_rope_proj", "kv_down", "k_up", "v_up", "o_proj"):
         assert getattr(attn, name).weight.grad.abs().sum() > 0, name
+
+
+def test_attention_biases_are_supported_exactly():
+    """Qwen-style q/k/v biases (here Llama's attention_bias, which also biases o_proj) survive conversion."""
+    model = tiny_llama(num_kv_heads=2, attention_bias=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, proj).bias.normal_(0, 0.5)
+        x = ids()
+        ref = model(x).logits
+        converted, _ = convert_model(model, d_kv=16, r=8, strategy="high")
+        assert (converted(x).logits - ref).abs().max().item() <= TOL
+        # absorbed decode with biases (k_up bias drops out of softmax, v_up bias passes through)
+        low, _ = convert_model(model, d_kv=6, r=2, strategy="uniform")
+        step = {}
+        for absorb in (True, False):
+            low.config.absorb_decode = absorb
+            cache = low(x, use_cache=True).cache
+            step[absorb] = low(x[:, :1], cache=cache, use_cache=True).logits
+    assert (step[True] - step[False]).abs().max().item() <= TOL
