@@ -1,0 +1,128 @@
+"""`mla evaluate`: perplexity, lm-eval benchmarks, KV-cache bytes and decode speed of one checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "Evaluate a checkpoint (original, converted or fine-tuned): perplexity, lm-eval, KV bytes, decode speed."
+
+EPILOG = """\
+Writes one JSON (--out) with every measurement; see mla/evaluation/report.py for its layout.
+
+  mla evaluate --model results/convert/smollm2/dkv8 --data results/data/smollm2 \\
+      --out results/eval/smollm2/dkv8.json --variant dkv8 --run-json results/train/smollm2/dkv8/run.json
+
+Stages: KV-cache bytes after generate (always); held-out perplexity (--data DIR of `mla data`, or
+--blocks FILE.npy); lm-eval on our offline task mla_stdlib_next_line (--local-docs, or --no-local-task);
+the paper's six tasks (HellaSwag, ARC-E/C, PIQA, WinoGrande, OpenBookQA, MMLU cloze; zero-shot acc_norm)
+when the Hugging Face Hub is reachable (skipped with a message when offline; --paper-tasks off);
+decode tokens/s over --decode-grid (BxT list, or "none") for original vs MLA absorbed and not, beside
+the predicted S(B,T). MLflow: --run-json (run.json of `mla train`) or --run-id, or --experiment with
+--run-name; --tracking-uri defaults to sqlite:///results/mlflow.db when one of those is given.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("--model", required=True, help="checkpoint folder (Llama or MLA)")
+    p.add_argument("--out", required=True, help="evaluation JSON to write")
+    p.add_argument("--variant", help="variant name stored in the JSON (e.g. original, baseline, dkv8)")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint folder)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="`mla data` folder: perplexity on its --split blocks")
+    src.add_argument("--blocks", help=".npy token blocks [n, L] for perplexity (instead of --data)")
+    p.add_argument("--split", default="validation", help="split of --data (default: validation)")
+    p.add_argument("--max-blocks", type=int, help="evaluate only the first N blocks")
+    p.add_argument("--ppl-batch-size", type=int, default=1, help="blocks per forward pass (default 1)")
+    p.add_argument("--no-local-task", dest="local_task", action="store_false",
+                   help="skip the offline lm-eval task mla_stdlib_next_line")
+    p.add_argument("--local-docs", type=int, default=200, help="documents of the local task (default 200)")
+    p.add_argument("--validation-fraction", type=float, default=0.05,
+                   help="held-out fraction used by `mla data` (picks the local task's files; default 0.05)")
+    p.add_argument("--paper-tasks", choices=("auto", "off"), default="auto",
+                   help="the paper's six Hub tasks: auto = run when the Hub is reachable (default), off")
+    p.add_argument("--paper-limit", type=int, help="at most N documents per paper task (smoke runs)")
+    p.add_argument("--lm-eval-batch-size", type=int, default=8)
+    p.add_argument("--kv-batch", type=int, default=2, help="batch of the KV-bytes generate (default 2)")
+    p.add_argument("--kv-new-tokens", type=int, default=8, help="tokens generated for the KV-bytes check")
+    p.add_argument("--decode-grid", default="1x256,4x1024",
+                   help="BATCHxCONTEXT list for decode speed, e.g. 1x256,8x4096; 'none' to skip")
+    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per grid point")
+    p.add_argument("--original", help="original checkpoint to time against an MLA model (default: a "
+                                      "random-weight Llama of the same shapes; speed does not depend on weights)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///results/mlflow.db)")
+    p.add_argument("--run-json", help="run.json of `mla train`: log to that MLflow run")
+    p.add_argument("--run-id", help="MLflow run id to log to")
+    p.add_argument("--experiment", help="MLflow experiment (with --run-name) to log to")
+    p.add_argument("--run-name", help="MLflow run name (with --experiment)")
+
+
+def _mlflow_target(args):
+    from mla.cli import UserError
+
+    if args.run_json:
+        path = Path(args.run_json)
+        if not path.is_file():
+            raise UserError(f"--run-json file not found: {path}")
+        info = json.loads(path.read_text())
+        run_id = info.get("run_id") or info.get("mlflow_run_id")
+        if not run_id and not (info.get("experiment") and info.get("run_name")):
+            raise UserError(f"{path}: holds neither a run_id nor experiment + run_name")
+        uri = args.tracking_uri or info.get("tracking_uri")
+        return {"tracking_uri": uri, "run_id": run_id, "experiment": info.get("experiment"),
+                "run_name": info.get("run_name")}
+    if args.run_id:
+        return {"tracking_uri": args.tracking_uri, "run_id": args.run_id}
+    if args.experiment or args.run_name:
+        if not (args.experiment and args.run_name):
+            raise UserError("--experiment and --run-name go together")
+        return {"tracking_uri": args.tracking_uri, "run_id": None, "experiment": args.experiment,
+                "run_name": args.run_name}
+    return None
+
+
+def run(args) -> int:
+    from mla.cli import UserError
+
+    if args.local_docs < 1 or args.decode_steps < 1 or args.kv_batch < 1 or args.kv_new_tokens < 1:
+        raise UserError("--local-docs, --decode-steps, --kv-batch and --kv-new-tokens must be positive")
+    from mla.evaluation.decode import parse_grid
+
+    try:
+        grid = [] if args.decode_grid.strip().lower() in ("", "none", "off") else parse_grid(args.decode_grid)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    target = _mlflow_target(args)      # fail on bad MLflow options before any work
+
+    import torch
+
+    from mla.checkpoint import load_model, load_tokenizer, require_checkpoint
+    from mla.evaluation.report import EvalOptions, evaluate_model, log_to_mlflow, write_json
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    require_checkpoint(args.model)
+    if args.original:
+        require_checkpoint(args.original)
+    blocks = args.data or args.blocks
+    if blocks and not Path(blocks).exists():
+        raise UserError(f"{'--data' if args.data else '--blocks'} not found: {blocks}")
+    model = load_model(args.model).eval()
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    opts = EvalOptions(blocks=blocks, split=args.split, max_blocks=args.max_blocks,
+                       ppl_batch_size=args.ppl_batch_size, local_task=args.local_task, local_docs=args.local_docs,
+                       validation_fraction=args.validation_fraction, paper_tasks=args.paper_tasks,
+                       paper_limit=args.paper_limit, lm_eval_batch_size=args.lm_eval_batch_size,
+                       kv_batch=args.kv_batch, kv_new_tokens=args.kv_new_tokens, decode_grid=grid,
+                       decode_steps=args.decode_steps, original=args.original)
+    result = evaluate_model(model, tokenizer, opts, checkpoint=args.model, variant=args.variant)
+    path = write_json(result, args.out)
+    print(f"evaluate: wrote {path}")
+    if target:
+        run_id = log_to_mlflow(result, path, **target)
+        print(f"evaluate: logged to MLflow run {run_id}")
+    return 0

@@ -1,0 +1,134 @@
+"""`mla plot`: the paper's loss-vs-step figures (one panel per experiment) as PNG and PDF."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "Draw loss-vs-step figures (MHA2MLA / GQA2MLA panels) from training metrics.csv files."
+
+EPILOG = """\
+Panels are given either as a spec file or on the command line, in order:
+
+  mla plot --out results/figures/loss \\
+      --panel "SmolLM-135M" --kind GQA \\
+          --run 8=results/train/smollm/dkv8/metrics.csv \\
+          --run 16=results/train/smollm/dkv16/metrics.csv \\
+          --run baseline=results/train/smollm/baseline/metrics.csv \\
+      --panel "Llama-2-7B" --kind MHA --run 16=... --run 32=... --run 64=... --run baseline=...
+
+Every --kind/--run belongs to the --panel before it. RUN is D_KV=PATH (a converted run with that
+latent size per KV head) or baseline=PATH (the fine-tuned unconverted model, drawn in black).
+Legend labels: "GQA2MLA d_kv = 8", ..., "GQA" (kind GQA) or "MHA2MLA d_kv = 16", ..., "MHA".
+
+--spec FILE (JSON or YAML) holds the same as {"panels": [{"title": ..., "kind": "GQA",
+"runs": [{"d_kv": 8, "metrics": PATH}, {"baseline": true, "metrics": PATH}]}]}; relative paths
+resolve against the spec file's folder. Writes OUT.png and OUT.pdf.
+"""
+
+
+class _Ordered(argparse.Action):
+    """Keeps --panel/--kind/--run in command-line order so runs attach to the preceding panel."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = getattr(namespace, "items", None) or []
+        items.append((self.dest, values))
+        namespace.items = items
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("--out", required=True, help="output path stem; writes OUT.png and OUT.pdf")
+    p.add_argument("--spec", help="JSON/YAML panel spec (instead of --panel/--kind/--run)")
+    p.add_argument("--panel", action=_Ordered, metavar="TITLE", help="start a panel titled TITLE (model name)")
+    p.add_argument("--kind", action=_Ordered, metavar="MHA|GQA", help="architecture of the panel's source model")
+    p.add_argument("--run", action=_Ordered, metavar="D_KV=PATH|baseline=PATH", help="a run of the current panel")
+    p.add_argument("--smoothing", type=float, default=0.9,
+                   help="EMA weight of the smoothed curve in [0, 1) (default 0.9)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI: log the figure to a summary run")
+    p.add_argument("--experiment", help="MLflow experiment of the summary run (with --tracking-uri)")
+    p.add_argument("--summary-run", default="summary", help="name of the summary run (default: summary)")
+    p.set_defaults(items=[])
+
+
+def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
+    from mla.cli import UserError
+
+    panels: list[dict] = []
+    for key, value in items:
+        if key == "panel":
+            panels.append({"title": value, "runs": []})
+            continue
+        if not panels:
+            raise UserError(f"--{key} {value!r} comes before any --panel")
+        if key == "kind":
+            panels[-1]["kind"] = value
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not path:
+                raise UserError(f"--run {value!r}: expected D_KV=PATH or baseline=PATH")
+            if name.strip().lower() in ("baseline", "mha", "gqa", "original"):
+                panels[-1]["runs"].append({"baseline": True, "metrics": path})
+            else:
+                try:
+                    panels[-1]["runs"].append({"d_kv": int(name), "metrics": path})
+                except ValueError:
+                    raise UserError(f"--run {value!r}: {name!r} is neither an integer d_kv nor 'baseline'") from None
+    return panels
+
+
+def load_spec(path: str) -> list[dict]:
+    from mla.cli import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--spec file not found: {p}")
+    text = p.read_text()
+    if p.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("panels"), list):
+        raise UserError(f"{p}: expected a mapping with a 'panels' list")
+    for panel in data["panels"]:
+        for run in panel.get("runs", []) if isinstance(panel, dict) else []:
+            if "metrics" in run and not Path(run["metrics"]).is_absolute():
+                run["metrics"] = str(p.parent / run["metrics"])
+    return data["panels"]
+
+
+def log_summary_artifacts(tracking_uri: str, experiment: str, run_name: str, paths: list[Path]) -> None:
+    """Attach figures/tables to an experiment-level summary run (mla.tracking, issue 3)."""
+    from mla import tracking
+
+    run_id = tracking.get_or_create_run(tracking_uri, experiment, run_name, tags={"variant": "summary"})
+    tracking.log_artifacts(run_id, [str(p) for p in paths], tracking_uri=tracking_uri)
+    tracking.set_terminated(run_id, tracking_uri=tracking_uri)
+
+
+def run(args) -> int:
+    from mla.cli import UserError
+    from mla.figures import FigureInputError, loss_figure, panel_from_dict, save_figure
+
+    if args.spec and args.items:
+        raise UserError("give either --spec or --panel/--kind/--run, not both")
+    specs = load_spec(args.spec) if args.spec else panels_from_items(args.items)
+    if not specs:
+        raise UserError("nothing to plot: give --spec FILE or at least one --panel with --run")
+    try:
+        panels = [panel_from_dict(s) for s in specs]
+        fig = loss_figure(panels, smoothing=args.smoothing)
+    except FigureInputError as exc:
+        raise UserError(str(exc)) from None
+    paths = save_figure(fig, args.out)
+    for path in paths:
+        print(path)
+    if args.tracking_uri:
+        if not args.experiment:
+            raise UserError("--tracking-uri needs --experiment")
+        log_summary_artifacts(args.tracking_uri, args.experiment, args.summary_run, paths)
+    return 0

@@ -1,0 +1,131 @@
+"""`mla table`: one results table per experiment (CSV + Markdown), beside the paper's Table 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mla.commands.plot import _Ordered
+
+HELP = "Tabulate an experiment's variants (KV memory, params, loss, perplexity, scores, speed) vs the paper."
+
+EPILOG = """\
+Variants are given in order; every option after --variant NAME belongs to it:
+
+  mla table --out results/tables/smollm2 --model SmolLM2-135M --paper-model SmolLM-135M \\
+      --variant original --eval results/eval/smollm2/original.json \\
+      --variant baseline --eval .../baseline.json --metrics results/train/.../baseline/metrics.csv \\
+      --variant dkv8 --d-kv 8 --eval .../dkv8.json --conversion .../dkv8/conversion.json \\
+                     --metrics .../dkv8/metrics.csv
+
+NAME "original" = the released model, "baseline" = the unconverted model fine-tuned with the same
+recipe; any other name is a converted model whose d_kv comes from --d-kv, conversion.json or the
+eval JSON. --paper-model picks the paper's Table 1 rows (SmolLM-135M, SmolLM-360M, SmolLM-1.7B,
+Llama-2-7B); by default it is inferred from --model, and "none" disables the paper columns.
+--spec FILE (JSON/YAML) holds {"title", "model", "paper_model", "variants": [{"name", "d_kv",
+"eval", "conversion", "metrics"}]}; relative paths resolve against the spec's folder.
+Writes OUT.csv and OUT.md.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("--out", required=True, help="output path stem; writes OUT.csv and OUT.md")
+    p.add_argument("--spec", help="JSON/YAML experiment spec (instead of --variant ...)")
+    p.add_argument("--title", help="table title (default: the model name)")
+    p.add_argument("--model", help="name of the source model (e.g. SmolLM2-135M)")
+    p.add_argument("--paper-model", help="paper Table 1 model to compare with, or 'none'")
+    p.add_argument("--variant", action=_Ordered, metavar="NAME", help="start a variant")
+    p.add_argument("--d-kv", dest="d_kv", action=_Ordered, metavar="N", help="latent size per KV head")
+    p.add_argument("--eval", action=_Ordered, metavar="JSON", help="evaluation JSON of `mla evaluate`")
+    p.add_argument("--conversion", action=_Ordered, metavar="JSON", help="conversion.json of `mla convert`")
+    p.add_argument("--metrics", action=_Ordered, metavar="CSV", help="training metrics.csv")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI: log the table to a summary run")
+    p.add_argument("--experiment", help="MLflow experiment of the summary run (with --tracking-uri)")
+    p.add_argument("--summary-run", default="summary", help="name of the summary run (default: summary)")
+    p.set_defaults(items=[])
+
+
+def variants_from_items(items) -> list[dict]:
+    from mla.cli import UserError
+
+    variants: list[dict] = []
+    for key, value in items:
+        if key == "variant":
+            variants.append({"name": value})
+        elif not variants:
+            raise UserError(f"--{key.replace('_', '-')} {value!r} comes before any --variant")
+        elif key in variants[-1]:
+            raise UserError(f"variant {variants[-1]['name']!r}: --{key.replace('_', '-')} given twice")
+        else:
+            variants[-1][key] = value
+    return variants
+
+
+def load_spec(path: str) -> dict:
+    from mla.cli import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--spec file not found: {p}")
+    if p.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(p.read_text())
+    else:
+        data = json.loads(p.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
+        raise UserError(f"{p}: expected a mapping with a 'variants' list")
+    for v in data["variants"]:
+        for key in ("eval", "conversion", "metrics"):
+            if v.get(key) and not Path(v[key]).is_absolute():
+                v[key] = str(p.parent / v[key])
+    return data
+
+
+def run(args) -> int:
+    from mla import paper_numbers
+    from mla.cli import UserError
+    from mla.tables import TableInputError, Variant, build_table, table_notes, write_table
+
+    if args.spec and args.items:
+        raise UserError("give either --spec or --variant ..., not both")
+    spec = load_spec(args.spec) if args.spec else {"variants": variants_from_items(args.items)}
+    if not spec["variants"]:
+        raise UserError("nothing to tabulate: give --spec FILE or at least one --variant")
+    model = args.model or spec.get("model")
+    paper_model = args.paper_model or spec.get("paper_model")
+    if paper_model is None:
+        paper_model = paper_numbers.paper_model(model)
+    elif str(paper_model).lower() == "none":
+        paper_model = None
+    elif paper_numbers.paper_model(paper_model) is None:
+        raise UserError(f"--paper-model {paper_model!r} is not in the paper's Table 1 "
+                        f"(known: {', '.join(paper_numbers.TABLE1)}, or 'none')")
+    else:
+        paper_model = paper_numbers.paper_model(paper_model)
+
+    variants = []
+    for v in spec["variants"]:
+        try:
+            d_kv = None if v.get("d_kv") in (None, "") else int(v["d_kv"])
+        except ValueError:
+            raise UserError(f"variant {v.get('name')!r}: d_kv {v['d_kv']!r} is not an integer") from None
+        variants.append(Variant(name=str(v["name"]), d_kv=d_kv,
+                                **{k: Path(v[k]) for k in ("eval", "conversion", "metrics") if v.get(k)}))
+    try:
+        header, rows = build_table(variants, paper_model)
+    except TableInputError as exc:
+        raise UserError(str(exc)) from None
+    title = args.title or spec.get("title") or model
+    paths = write_table(header, rows, args.out, title=title, notes=table_notes(paper_model, model))
+    print(paths[1].read_text())
+    if args.tracking_uri:
+        if not args.experiment:
+            raise UserError("--tracking-uri needs --experiment")
+        from mla.commands.plot import log_summary_artifacts
+
+        log_summary_artifacts(args.tracking_uri, args.experiment, args.summary_run, paths)
+    return 0

@@ -1,0 +1,169 @@
+"""One evaluation JSON per checkpoint, and its metrics in the variant's MLflow run.
+
+Layout (schema "mla.evaluation/1"); a section not requested is null, a benchmark that could not run
+says so in "status"/"reason" and carries no numbers:
+
+    checkpoint, variant, model_type, is_mla, d_kv, r, params, dtype, threads, created, versions,
+    kv_cache     {cache_class, batch, cached_tokens, dtype, cache_bytes, elements_per_token,
+                  bytes_per_token_formula, bytes_per_token_measured, matches_formula}
+    perplexity   {source, split, blocks, tokens, mean_loss, perplexity}
+    benchmarks   {local: {task, acc, acc_norm, n, ...} | null,
+                  paper: {status: ok|partial|skipped, reason?, scores{mmlu, arc, piqa, hellaswag,
+                          openbookqa, winogrande}, average} | null}
+    decode       {steps, weight_bytes, kv_bytes_per_token, original_*, grid: [{batch, context,
+                  mla_tps, mla_absorbed_tps, original_tps, speedup, speedup_absorbed,
+                  predicted_speedup, fraction_of_predicted} | {batch, context, model_tps}]}
+    seconds      {stage: wall seconds}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = "mla.evaluation/1"
+TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "dtype",
+                    "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "seconds")
+
+
+@dataclass
+class EvalOptions:
+    blocks: str | None = None            # `mla data` folder or .npy of token blocks; None -> no perplexity
+    split: str = "validation"
+    max_blocks: int | None = None
+    ppl_batch_size: int = 1
+    local_task: bool = True
+    local_docs: int = 200
+    validation_fraction: float = 0.05
+    paper_tasks: str = "auto"            # auto (skip offline) | off
+    paper_limit: int | None = None
+    lm_eval_batch_size: int = 8
+    kv_batch: int = 2
+    kv_prompt: int = 16
+    kv_new_tokens: int = 8
+    decode_grid: list = field(default_factory=lambda: [(1, 256), (4, 1024)])
+    decode_steps: int = 8
+    original: str | None = None          # original checkpoint for the decode comparison (else random twin)
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "lm_eval"):
+        try:
+            out[name] = md.version(name.replace("_", "-"))
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "", variant: str | None = None,
+                   log=print) -> dict:
+    """Every requested measurement of one loaded model, as the JSON-ready dict described above."""
+    import torch
+
+    from mla.convert import count_parameters
+    from mla.evaluation import decode, harness, kv_bytes, perplexity
+
+    cfg = model.config
+    is_mla = getattr(cfg, "model_type", "") == "mla_llama"
+    prov = (getattr(cfg, "mha2mla", None) or {}) if is_mla else {}
+    result = {k: None for k in TOP_LEVEL_FIELDS}
+    result.update(schema=SCHEMA, checkpoint=str(checkpoint), variant=variant, model_type=cfg.model_type,
+                  is_mla=is_mla, d_kv=prov.get("d_kv"), r=prov.get("r"), params=count_parameters(model),
+                  dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                  threads=torch.get_num_threads(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  versions=_versions(), benchmarks={"local": None, "paper": None}, seconds={})
+
+    def stage(name, fn):
+        t0 = time.perf_counter()
+        value = fn()
+        result["seconds"][name] = round(time.perf_counter() - t0, 3)
+        log(f"evaluate: {name} done in {result['seconds'][name]:.1f}s")
+        return value
+
+    result["kv_cache"] = stage("kv_cache", lambda: kv_bytes.measure_kv_bytes(
+        model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens))
+    if opts.blocks:
+        blocks = perplexity.load_blocks(opts.blocks, opts.split)
+        ppl = stage("perplexity", lambda: perplexity.perplexity(
+            model, blocks, batch_size=opts.ppl_batch_size, max_blocks=opts.max_blocks))
+        result["perplexity"] = {"source": str(opts.blocks),
+                                "split": None if str(opts.blocks).endswith(".npy") else opts.split, **ppl}
+    if opts.local_task:
+        result["benchmarks"]["local"] = stage("local_task", lambda: harness.local_task(
+            model, tokenizer, num_docs=opts.local_docs, validation_fraction=opts.validation_fraction,
+            batch_size=opts.lm_eval_batch_size))
+    if opts.paper_tasks != "off":
+        paper = stage("paper_tasks", lambda: harness.paper_tasks(
+            model, tokenizer, limit=opts.paper_limit, batch_size=opts.lm_eval_batch_size))
+        if paper.get("status") == "skipped":
+            log(f"evaluate: skipped: {paper['reason']}")
+        result["benchmarks"]["paper"] = paper
+    if opts.decode_grid:
+        original = None
+        if opts.original:
+            from mla.checkpoint import load_model
+
+            original = load_model(opts.original, dtype=next(model.parameters()).dtype).eval()
+        result["decode"] = stage("decode", lambda: decode.decode_grid(
+            model, opts.decode_grid, steps=opts.decode_steps, original=original, log=log))
+    return result
+
+
+def write_json(result: dict, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out)
+    return out
+
+
+def flat_metrics(result: dict) -> dict:
+    """Scalar metrics for MLflow (prefix eval/)."""
+    m = {}
+    kv = result.get("kv_cache") or {}
+    if kv:
+        m["eval/kv_bytes_per_token"] = kv["bytes_per_token_measured"]
+        m["eval/kv_elements_per_token"] = kv["elements_per_token"]
+    ppl = result.get("perplexity") or {}
+    if ppl:
+        m["eval/perplexity"] = ppl["perplexity"]
+        m["eval/mean_loss"] = ppl["mean_loss"]
+    local = (result.get("benchmarks") or {}).get("local") or {}
+    for k in ("acc", "acc_norm"):
+        if local.get(k) is not None:
+            m[f"eval/{local['task']}_{k}"] = local[k]
+    paper = (result.get("benchmarks") or {}).get("paper") or {}
+    for k, v in (paper.get("scores") or {}).items():
+        if v is not None:
+            m[f"eval/{k}_acc_norm"] = v
+    if paper.get("average") is not None:
+        m["eval/paper_avg"] = paper["average"]
+    for p in (result.get("decode") or {}).get("grid", []):
+        tag = f"B{p['batch']}_T{p['context']}"
+        for k in ("speedup", "speedup_absorbed", "predicted_speedup", "mla_absorbed_tps", "original_tps",
+                  "model_tps"):
+            if p.get(k) is not None:
+                m[f"decode/{k}_{tag}"] = p[k]
+    return m
+
+
+def log_to_mlflow(result: dict, json_path: Path, *, tracking_uri: str | None, run_id: str | None = None,
+                  experiment: str | None = None, run_name: str | None = None) -> str | None:
+    """Log the scalar metrics and the JSON to the variant's run (found by id, or by experiment + name)."""
+    from mla import tracking
+
+    opened = run_id is None
+    if opened:
+        run_id = tracking.get_or_create_run(tracking_uri, experiment, run_name,
+                                            tags={"variant": result.get("variant"), "d_kv": result.get("d_kv")})
+    tracking.log_metrics(run_id, flat_metrics(result), tracking_uri=tracking_uri)
+    tracking.log_artifacts(run_id, [json_path], artifact_path="evaluation", tracking_uri=tracking_uri)
+    if opened:
+        tracking.set_terminated(run_id, tracking_uri=tracking_uri)
+    return run_id

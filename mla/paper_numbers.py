@@ -1,0 +1,96 @@
+"""Published numbers of the MHA2MLA paper (arXiv 2502.14837 v1, Table 1), for side-by-side tables.
+
+Scores are percentages (zero-shot, length-normalised accuracy, lighteval); `avg` is the unweighted
+mean of the six columns (ARC is one column: the paper's `arc` task covers Easy and Challenge).
+`kv_change` is the KV-cache memory change vs the original model in percent (negative = smaller).
+Variants: "original" (the released model), "baseline" (the unconverted model fine-tuned with the same
+recipe; the paper writes "GQA/MHA d_kv=128/256 (ft)"), or an int d_kv (S_2-norm, r = d_h/16, SVD_joint).
+"""
+
+from __future__ import annotations
+
+TASKS = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
+TASK_TITLES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA",
+               "winogrande": "WG"}
+
+
+def _row(kv_change, avg, mmlu, arc, piqa, hs, obqa, wg):
+    return {"kv_change": kv_change, "avg": avg, "mmlu": mmlu, "arc": arc, "piqa": piqa,
+            "hellaswag": hs, "openbookqa": obqa, "winogrande": wg}
+
+
+# model -> {"kind", "d_h", "finetune_tokens", "rows": {variant: row}}
+TABLE1 = {
+    "SmolLM-135M": {
+        "kind": "GQA", "d_h": 64, "finetune_tokens": "2.25B (3.8‰)",
+        "rows": {
+            "original": _row(None, 44.50, 29.80, 42.43, 68.06, 41.09, 33.60, 52.01),
+            "baseline": _row(0.0, 44.25, 29.82, 42.05, 68.34, 41.03, 33.20, 51.07),
+            32: _row(-68.75, 43.06, 29.50, 40.48, 66.59, 37.99, 33.80, 49.96),
+            16: _row(-81.25, 41.84, 28.66, 39.95, 65.02, 36.04, 31.60, 49.80),
+            8: _row(-87.50, 40.97, 28.37, 38.04, 64.69, 33.58, 30.80, 50.36),
+        },
+    },
+    "SmolLM-360M": {
+        "kind": "GQA", "d_h": 64, "finetune_tokens": "2.25B (3.8‰)",
+        "rows": {
+            "original": _row(None, 49.60, 33.70, 49.82, 71.87, 51.65, 37.60, 52.96),
+            "baseline": _row(0.0, 49.63, 34.01, 50.02, 71.33, 51.43, 38.20, 52.80),
+            32: _row(-68.75, 47.91, 32.94, 48.36, 70.73, 48.16, 36.00, 51.30),
+            16: _row(-81.25, 46.94, 31.55, 45.73, 70.51, 45.80, 36.60, 51.46),
+            8: _row(-87.50, 45.04, 30.54, 43.33, 68.50, 42.83, 35.00, 50.04),
+        },
+    },
+    "SmolLM-1.7B": {
+        "kind": "MHA", "d_h": 64, "finetune_tokens": "6B (6.0‰)",
+        "rows": {
+            "original": _row(None, 55.90, 39.27, 59.87, 75.73, 62.93, 42.80, 54.85),
+            "baseline": _row(0.0, 55.93, 39.11, 59.19, 75.95, 62.92, 43.40, 55.09),
+            32: _row(-68.75, 54.76, 38.11, 57.13, 76.12, 61.35, 42.00, 53.83),
+            16: _row(-81.25, 54.65, 37.87, 56.81, 75.84, 60.41, 42.60, 54.38),
+            8: _row(-87.50, 53.61, 37.17, 55.50, 74.86, 58.55, 41.20, 54.38),
+        },
+    },
+    "Llama-2-7B": {
+        "kind": "MHA", "d_h": 128, "finetune_tokens": "6B (3.0‰)",
+        "rows": {
+            "original": _row(None, 59.85, 41.43, 59.24, 78.40, 73.29, 41.80, 64.96),
+            "baseline": _row(0.0, 60.22, 41.63, 60.89, 77.80, 71.98, 45.00, 63.38),
+            64: _row(-68.75, 59.51, 41.36, 59.51, 77.37, 71.72, 44.20, 62.90),
+            32: _row(-81.25, 59.61, 40.86, 59.74, 77.75, 70.75, 45.60, 62.98),
+            16: _row(-87.50, 58.96, 40.39, 59.29, 77.75, 69.70, 43.40, 63.22),
+        },
+    },
+}
+
+# names under which a checkpoint of a reported model may appear (case-insensitive)
+ALIASES = {
+    "smollm-135m": "SmolLM-135M", "huggingfacetb/smollm-135m": "SmolLM-135M", "smollm1-135m": "SmolLM-135M",
+    "smollm-360m": "SmolLM-360M", "huggingfacetb/smollm-360m": "SmolLM-360M", "smollm1-360m": "SmolLM-360M",
+    "smollm-1.7b": "SmolLM-1.7B", "huggingfacetb/smollm-1.7b": "SmolLM-1.7B", "smollm1-1b7": "SmolLM-1.7B",
+    "llama-2-7b": "Llama-2-7B", "meta-llama/llama-2-7b-hf": "Llama-2-7B", "llama2-7b": "Llama-2-7B",
+}
+
+
+def paper_model(name: str | None) -> str | None:
+    """The Table 1 model a checkpoint name refers to, or None (e.g. SmolLM2-135M is not in the paper)."""
+    if not name:
+        return None
+    key = name.strip().lower()
+    if name in TABLE1:
+        return name
+    return ALIASES.get(key) or ALIASES.get(key.removesuffix("-hf"))
+
+
+def paper_row(model: str, variant: str | int) -> dict | None:
+    """Table 1 row of `model` for a variant ("original", "baseline" or an int d_kv), or None."""
+    entry = TABLE1.get(model)
+    if entry is None:
+        return None
+    return entry["rows"].get(variant)
+
+
+def kv_change_percent(d_kv: int, d_h: int, r: int | None = None) -> float:
+    """KV memory change (%) of MHA2MLA vs the original: (d_kv + 2r)/(2 d_h) − 1, r = d_h/16 by default."""
+    r = d_h // 16 if r is None else r
+    return ((d_kv + 2 * r) / (2 * d_h) - 1.0) * 100.0

@@ -1,0 +1,235 @@
+"""Results tables: one per experiment (source model), as CSV and Markdown, beside the paper's numbers.
+
+An experiment is a list of variants; each variant may bring
+  - `eval`: the JSON written by `mla evaluate` (perplexity, benchmark scores, KV bytes, decode speed);
+  - `conversion`: the conversion.json written by `mla convert` (params_before/after,
+    kv_elements_per_token_before/after, kv_ratio);
+  - `metrics`: the training metrics.csv (final training loss = mean loss of the last FINAL_LOSS_STEPS steps).
+Variant names "original" and "baseline" (the unconverted model, fine-tuned) are special; any other
+variant is a converted model and needs a d_kv (given, or read from conversion.json / the eval JSON).
+
+For a model of the paper's Table 1 the paper's KV-memory change and benchmark scores are placed in
+the column right after ours, followed by the difference (ours − paper, in points).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mla import paper_numbers
+
+FINAL_LOSS_STEPS = 10
+SPECIAL_VARIANTS = ("original", "baseline")
+
+
+class TableInputError(ValueError):
+    """An input file or variant spec that cannot be tabulated; the message names the cause."""
+
+
+@dataclass
+class Variant:
+    name: str
+    d_kv: int | None = None
+    eval: Path | None = None
+    conversion: Path | None = None
+    metrics: Path | None = None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise TableInputError(f"file not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TableInputError(f"{path}: not valid JSON ({exc})") from None
+
+
+def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
+    """Mean training loss over the last `last` logged steps of a metrics.csv."""
+    if not path.is_file():
+        raise TableInputError(f"metrics file not found: {path}")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if "loss" not in (reader.fieldnames or []):
+            raise TableInputError(f"{path}: no 'loss' column (header is {reader.fieldnames})")
+        losses = [float(r["loss"]) for r in reader if r.get("loss") not in (None, "")]
+    losses = [x for x in losses if math.isfinite(x)]
+    if not losses:
+        raise TableInputError(f"{path}: no finite loss values")
+    tail = losses[-last:]
+    return sum(tail) / len(tail)
+
+
+def _variant_key(v: Variant) -> str | int:
+    return v.name if v.name in SPECIAL_VARIANTS else v.d_kv
+
+
+def _decode_summary(decode: dict | None) -> tuple[float | None, float | None, str | None]:
+    """(measured speedup, predicted S(B,T), 'BxT') at the largest B·T of the grid, absorbed path preferred."""
+    if not decode or not decode.get("grid"):
+        return None, None, None
+    best = max(decode["grid"], key=lambda g: g["batch"] * g["context"])
+    measured = best.get("speedup_absorbed", best.get("speedup"))
+    return measured, best.get("predicted_speedup"), f"{best['batch']}x{best['context']}"
+
+
+def collect(variants: list[Variant]) -> list[dict]:
+    """One dict of raw values per variant (None where an input was not given)."""
+    rows = []
+    for v in variants:
+        ev = _read_json(v.eval) if v.eval else {}
+        conv = _read_json(v.conversion) if v.conversion else {}
+        d_kv = v.d_kv
+        if d_kv is None:
+            d_kv = conv.get("d_kv") if conv.get("d_kv") is not None else ev.get("d_kv")
+        if v.name not in SPECIAL_VARIANTS and d_kv is None:
+            raise TableInputError(f"variant {v.name!r}: d_kv unknown (give --d-kv, a conversion.json or "
+                                  f"an eval JSON with d_kv)")
+        kv_ratio = conv.get("kv_ratio")
+        kv_elems = (ev.get("kv_cache") or {}).get("elements_per_token")
+        ppl = (ev.get("perplexity") or {})
+        bench = ((ev.get("benchmarks") or {}).get("paper") or {})
+        local = ((ev.get("benchmarks") or {}).get("local") or {})
+        speed, pred, at = _decode_summary(ev.get("decode"))
+        rows.append({
+            "variant": v.name, "d_kv": d_kv, "kv_ratio": kv_ratio, "kv_elements": kv_elems,
+            "params": conv.get("params_after", ev.get("params")),
+            "final_loss": final_loss(v.metrics) if v.metrics else None,
+            "perplexity": ppl.get("perplexity"),
+            "local_acc": local.get("acc_norm", local.get("acc")),
+            "scores": bench.get("scores") or {}, "average": bench.get("average"),
+            "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
+            "_key": _variant_key(Variant(v.name, d_kv)),
+        })
+    # KV ratio without a conversion.json: relative to the "original" row's measured elements
+    orig = next((r for r in rows if r["variant"] == "original" and r["kv_elements"]), None)
+    for r in rows:
+        if r["kv_ratio"] is None:
+            if r["variant"] in SPECIAL_VARIANTS:
+                r["kv_ratio"] = 1.0
+            elif orig and r["kv_elements"]:
+                r["kv_ratio"] = r["kv_elements"] / orig["kv_elements"]
+    return rows
+
+
+def _pct_change(ratio: float | None) -> float | None:
+    return None if ratio is None else (ratio - 1.0) * 100.0
+
+
+def build_table(variants: list[Variant], paper_model: str | None = None) -> tuple[list[str], list[list]]:
+    """(header, rows) of the experiment table; numbers stay numbers (formatting happens on output)."""
+    raw = collect(variants)
+    if paper_model is not None and paper_model not in paper_numbers.TABLE1:
+        raise TableInputError(f"paper model {paper_model!r} is not in the paper's Table 1 "
+                              f"(known: {', '.join(paper_numbers.TABLE1)})")
+    tasks = [t for t in paper_numbers.TASKS if any(t in r["scores"] for r in raw)]
+    have = {k: any(r[k] is not None for r in raw)
+            for k in ("params", "final_loss", "perplexity", "local_acc", "average", "decode_speedup")}
+
+    header = ["variant", "d_kv", "KV mem. change %"]
+    if paper_model:
+        header += ["KV mem. change % (paper)", "Δ KV mem. change"]
+    for key, title in (("params", "params"), ("final_loss", "final train loss"),
+                       ("perplexity", "held-out perplexity"), ("local_acc", "local task acc_norm")):
+        if have[key]:
+            header.append(title)
+    if paper_model:
+        score_cols = ["avg", *paper_numbers.TASKS]
+    elif have["average"] or tasks:
+        score_cols = ["avg", *tasks]
+    else:
+        score_cols = []
+    for t in score_cols:
+        title = "Avg" if t == "avg" else paper_numbers.TASK_TITLES[t]
+        header.append(title)
+        if paper_model:
+            header += [f"{title} (paper)", f"Δ {title}"]
+    if have["decode_speedup"]:
+        header += ["decode speedup", "predicted S(B,T)", "at BxT"]
+
+    rows = []
+    for r in raw:
+        paper = paper_numbers.paper_row(paper_model, r["_key"]) if paper_model else None
+        ours_kv = _pct_change(r["kv_ratio"])
+        row = [r["variant"], r["d_kv"], ours_kv]
+        if paper_model:
+            p_kv = None if paper is None else paper["kv_change"]
+            if p_kv is None and paper is not None and r["variant"] == "original":
+                p_kv = 0.0
+            row += [p_kv, _diff(ours_kv, p_kv)]
+        for key in ("params", "final_loss", "perplexity", "local_acc"):
+            if have[key]:
+                row.append(r[key])
+        for t in score_cols:
+            ours = r["average"] if t == "avg" else r["scores"].get(t)
+            ours = None if ours is None else ours * 100.0    # fractions -> percentage points
+            row.append(ours)
+            if paper_model:
+                p = None if paper is None else paper[t]
+                row += [p, _diff(ours, p)]
+        if have["decode_speedup"]:
+            row += [r["decode_speedup"], r["decode_predicted"], r["decode_at"]]
+        rows.append(row)
+    return header, rows
+
+
+def _diff(a, b):
+    return None if a is None or b is None else a - b
+
+
+def _fmt(value, column: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    if column in ("d_kv",) or (column == "params" and isinstance(value, int)):
+        return f"{int(value):,}" if column == "params" else str(int(value))
+    if column.startswith(("KV mem", "Δ KV")):
+        return f"{value:+.2f}%"
+    if column in ("decode speedup", "predicted S(B,T)"):
+        return f"{value:.2f}x"
+    if column.startswith("Δ"):
+        return f"{value:+.2f}"
+    if column in ("final train loss", "held-out perplexity", "local task acc_norm"):
+        return f"{value:.4f}" if column != "held-out perplexity" else f"{value:.3f}"
+    return f"{value:.2f}"
+
+
+def to_markdown(header: list[str], rows: list[list], title: str | None = None, notes: list[str] = ()) -> str:
+    lines = [f"### {title}", ""] if title else []
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("| " + " | ".join("---" for _ in header) + " |")
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(v, c) for v, c in zip(row, header)) + " |")
+    if notes:
+        lines.append("")
+        lines += [f"{n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(header, rows, out: str | Path, title: str | None = None, notes: list[str] = ()) -> list[Path]:
+    """Write OUT.csv (raw numbers, empty for missing) and OUT.md (formatted)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path = out.with_suffix(".csv"), out.with_suffix(".md")
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for row in rows:
+            w.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
+    md_path.write_text(to_markdown(header, rows, title, notes))
+    return [csv_path, md_path]
+
+
+def table_notes(paper_model: str | None, model_name: str | None) -> list[str]:
+    notes = [f"KV mem. change: cached elements per token vs the original model. Final train loss: mean of "
+             f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
+             f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper."]
+    if paper_model:
+        src = f" (our model: {model_name})" if model_name and paper_numbers.paper_model(model_name) != paper_model else ""
+        notes.append(f"Paper columns: MHA2MLA v1 Table 1, {paper_model}{src}; Δ = ours − paper.")
+    return notes

@@ -1,0 +1,47 @@
+"""DeepSpeed JSON for the Hugging Face Trainer: "auto" for everything the Trainer owns (batch sizes,
+accumulation, lr, weight decay, bf16), explicit values for the rest.
+
+`gradient_clipping` is always written: DeepSpeed 0.19.8 clips at 1.0 when the key is missing.
+On CPU the optimizer is torch's AdamW (`torch_adam`), which needs no C++ build; on GPU DeepSpeed picks
+FusedAdam, or DeepSpeedCPUAdam when the optimizer state is offloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def deepspeed_config(cfg, cuda: bool) -> dict:
+    """DeepSpeed config dict for a resolved `TrainConfig`."""
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.zero_stage in (1, 2):
+        zero.update({"contiguous_gradients": True, "overlap_comm": cuda,
+                     "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8})
+    if cfg.zero_stage == 3:
+        # without it Trainer.save_model writes no weights under ZeRO-3
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if cfg.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    adam = {"lr": "auto", "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_eps, "weight_decay": "auto"}
+    if not cuda:
+        adam["torch_adam"] = True
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": cfg.clip,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def write_deepspeed_config(cfg, cuda: bool, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(deepspeed_config(cfg, cuda), indent=2) + "\n")
+    return path

@@ -1,0 +1,290 @@
+"""One fine-tuning run: Hugging Face `Trainer` + DeepSpeed on packed token blocks.
+
+Data order is fixed by us, not by the Trainer: `BlockDataset` maps sample i to a block through a seeded
+per-epoch permutation and the Trainer reads it sequentially. Optimizer step t therefore sees samples
+[t*G, (t+1)*G) (G = global batch) whatever the number of ranks, which makes runs with 1 or N ranks and a
+plain PyTorch loop comparable, and a resumed run skips exactly the samples it has already seen.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from mla import tracking
+from mla.cli import UserError
+from mla.training.schedule import warmup_constant_sqrt_decay
+
+METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
+FAULT_ENV = "MLA_FAULT_KILL_AT_STEP"  # fault injection for tests: SIGKILL this process after step N
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or infinite."""
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """`length` samples drawn from `blocks` [n, L]: epoch e = one seeded permutation of all blocks."""
+
+    def __init__(self, blocks: np.ndarray, length: int, seed: int):
+        self.blocks, self.length, self.seed = blocks, length, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def block_index(self, i: int) -> int:
+        epoch, pos = divmod(i, len(self.blocks))
+        if epoch not in self._perms:
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))
+        return int(self._perms[epoch][pos])
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.from_numpy(np.asarray(self.blocks[self.block_index(i)], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class MLATrainer(Trainer):
+    """Trainer with the paper's schedule, sequential reading of `BlockDataset` and a NaN/inf guard."""
+
+    def __init__(self, *args, schedule: tuple[int, int, int], **kwargs):
+        self._schedule = schedule
+        super().__init__(*args, **kwargs)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            total, warmup, decay = self._schedule
+            self.lr_scheduler = warmup_constant_sqrt_decay(optimizer or self.optimizer, total, warmup, decay)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not getattr(self, "_grad_norm_recorded", False):
+            _record_grad_norm(model)
+            self._grad_norm_recorded = True
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss).all():
+            raise TrainingDiverged(f"loss is {loss.item()} at step {self.state.global_step + 1} "
+                                   f"(rank {self.args.process_index}); lower the lr or check the data")
+        return loss
+
+
+def _record_grad_norm(engine) -> None:
+    """ZeRO stage 0 with a torch optimizer clips through `engine.clip_fp32_gradients`, which drops the norm
+    it computes, so the Trainer gets no grad norm. Keep it where `get_global_grad_norm` looks."""
+    if not hasattr(engine, "clip_fp32_gradients") or not hasattr(engine, "zero_optimization_stage"):
+        return
+    if engine.zero_optimization_stage() != 0:
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_record():
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_and_record
+
+
+class MetricsCallback(TrainerCallback):
+    """Rank 0: per logged step a row step,loss,lr,grad_norm,tokens,tokens_per_second to a CSV in the
+    checkpoint folder (truncated to the resumed step after a restart), and the same rows to MLflow in
+    batches when a checkpoint is saved and at the end (steps already in MLflow are not logged twice)."""
+
+    def __init__(self, csv_path: Path, tokens_per_step: int, run_id: str | None, tracking_uri: str | None):
+        self.csv_path, self.tokens_per_step = csv_path, tokens_per_step
+        self.run_id, self.tracking_uri = run_id, tracking_uri
+        self.pending: list[dict] = []
+        self.in_mlflow: set[int] = set()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_time, self.last_step = time.perf_counter(), state.global_step
+        if not state.is_world_process_zero:
+            return
+        rows = []
+        if self.csv_path.is_file():
+            with open(self.csv_path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= state.global_step]
+        with open(self.csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, METRICS_HEADER, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+        self.in_mlflow = tracking.logged_steps(self.run_id, "loss", self.tracking_uri)
+        self.pending = [{k: float(v) if k != "step" else int(v) for k, v in r.items() if v != ""}
+                        for r in rows if int(r["step"]) not in self.in_mlflow]
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None:  # the lr this step uses (the Trainer logs the one after the update)
+            self.step_lr = optimizer.param_groups[0]["lr"]
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return
+        now = time.perf_counter()
+        steps = max(state.global_step - self.last_step, 1)
+        row = {
+            "step": state.global_step,
+            "loss": logs["loss"],
+            "lr": getattr(self, "step_lr", logs.get("learning_rate")),
+            "grad_norm": logs.get("grad_norm"),
+            "tokens": state.global_step * self.tokens_per_step,
+            "tokens_per_second": steps * self.tokens_per_step / max(now - self.last_time, 1e-9),
+        }
+        self.last_time, self.last_step = now, state.global_step
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, METRICS_HEADER, lineterminator="\n").writerow(row)
+        self.pending.append(row)
+
+    def flush(self):
+        rows = [r for r in self.pending if r["step"] not in self.in_mlflow]
+        tracking.log_step_metrics(self.run_id, rows, self.tracking_uri)
+        self.in_mlflow |= {r["step"] for r in rows}
+        self.pending = []
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.flush()
+
+
+class FaultInjection(TrainerCallback):
+    """Kill the process (SIGKILL, no cleanup) once step N has been logged: the test of resume."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.global_step >= self.step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def last_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The newest complete `checkpoint-N` folder (one with trainer_state.json)."""
+    done = [p for p in checkpoint_dir.glob("checkpoint-*")
+            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+def default_tags(cfg, model_config) -> dict:
+    """model, variant and d_kv tags (flags win; else read from the checkpoint)."""
+    info = getattr(model_config, "mha2mla", None) or {}
+    d_kv = cfg.d_kv if cfg.d_kv is not None else info.get("d_kv")
+    is_mla = model_config.model_type != "llama" and bool(info)
+    variant = cfg.variant or (f"d_kv{d_kv}" if is_mla and d_kv is not None else ("mla" if is_mla else "baseline"))
+    model_name = cfg.model_name or Path(cfg.model).resolve().name
+    return {"model": model_name, "variant": variant, "d_kv": d_kv, **cfg.tags}
+
+
+def mlflow_params(cfg, manifest: dict) -> dict:
+    keys = ["steps", "lr", "warmup_steps", "decay_steps", "micro_batch", "grad_accum", "global_batch", "world_size",
+            "zero_stage", "offload", "weight_decay", "clip", "adam_beta1", "adam_beta2", "adam_eps", "seed",
+            "precision", "model", "data"]
+    params = {k: getattr(cfg, k) for k in keys}
+    params.update(block_length=manifest["block_length"], data_corpus=manifest["corpus"],
+                  data_train_sha256=manifest["splits"]["train"]["sha256"])
+    return params
+
+
+def _save_final(trainer: Trainer, cfg, out: Path) -> None:
+    """Final HF checkpoint, written to a temporary folder and renamed by rank 0."""
+    from mla.checkpoint import copy_tokenizer_files, replace_dir
+
+    tmp = out / ".final.tmp"
+    if trainer.is_world_process_zero():
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(str(tmp))  # gathers ZeRO-3 partitions; only rank 0 writes
+    if trainer.is_world_process_zero():
+        copy_tokenizer_files(cfg.model, tmp)
+        replace_dir(tmp, out / "final")
+    trainer.accelerator.wait_for_everyone()
+
+
+def run_training(cfg, manifest: dict) -> dict:
+    """Train per `cfg` (already resolved and checked) inside a launched process; returns run.json's content."""
+    from mla.checkpoint import load_model
+    from mla.data import open_blocks
+    from mla.training.deepspeed_config import deepspeed_config
+
+    cuda = torch.cuda.is_available()
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out, ckpt_dir = Path(cfg.out), Path(cfg.checkpoint_dir)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    resume = last_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+
+    blocks = open_blocks(cfg.data, "train")
+    dataset = BlockDataset(blocks, cfg.steps * cfg.global_batch, cfg.seed)
+    model = load_model(cfg.model, dtype=torch.float32)
+    model.config.use_cache = False
+
+    run_id = None
+    tags = default_tags(cfg, model.config)
+    run_name = cfg.run_name or f"{tags['model']}-{tags['variant']}"
+    if cfg.mlflow and rank0:
+        run_id = tracking.get_or_create_run(cfg.tracking_uri, cfg.experiment, run_name, tags=tags,
+                                            params=mlflow_params(cfg, manifest))
+
+    args = TrainingArguments(
+        output_dir=str(ckpt_dir), max_steps=cfg.steps, per_device_train_batch_size=cfg.micro_batch,
+        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_eps, max_grad_norm=cfg.clip,
+        lr_scheduler_type="constant", warmup_steps=0, logging_steps=cfg.log_steps, logging_nan_inf_filter=False,
+        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+        report_to=[], deepspeed=deepspeed_config(cfg, cuda), use_cpu=not cuda, bf16=bf16, seed=cfg.seed,
+        data_seed=cfg.seed, train_sampling_strategy="sequential", dataloader_drop_last=True,
+        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False,
+    )
+    metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], run_id,
+                              cfg.tracking_uri)
+    callbacks = [metrics]
+    fault = int(os.environ.get(FAULT_ENV, "0") or 0)
+    if fault:
+        callbacks.append(FaultInjection(fault))
+    trainer = MLATrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,
+                         schedule=(cfg.steps, cfg.warmup_steps, cfg.decay_steps))
+    status = "FAILED"
+    t0 = time.time()
+    try:
+        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        _save_final(trainer, cfg, out)
+        status = "FINISHED"
+    finally:
+        if run_id is not None:
+            tracking.set_terminated(run_id, status, cfg.tracking_uri)
+    info = {
+        "mlflow_run_id": run_id, "experiment": cfg.experiment, "run_name": run_name,
+        "tracking_uri": cfg.tracking_uri or tracking.DEFAULT_TRACKING_URI, "tags": tags,
+        "steps": cfg.steps, "world_size": cfg.world_size, "global_batch": cfg.global_batch,
+        "tokens": cfg.steps * cfg.global_batch * manifest["block_length"], "precision": "bf16" if bf16 else "fp32",
+        "resumed_from": str(resume) if resume else None, "train_runtime_s": round(time.time() - t0, 3),
+        "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
+        "config": json.loads(cfg.to_json()),
+    }
+    if rank0:
+        tmp = out / ".metrics.csv.tmp"
+        shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
+        os.replace(tmp, out / "metrics.csv")
+        (out / ".run.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(out / ".run.json.tmp", out / "run.json")
+        if run_id is not None:
+            tracking.log_artifacts(run_id, [out / "metrics.csv", out / "run.json"], tracking_uri=cfg.tracking_uri)
+    return info

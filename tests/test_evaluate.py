@@ -1,0 +1,329 @@
+"""`mla evaluate`: KV bytes vs formula, perplexity parity at full rank, the lm-eval path, the JSON, MLflow."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mla.cli import main
+from mla.convert import convert_model
+from mla.evaluation import decode, harness, kv_bytes
+from mla.evaluation.perplexity import perplexity
+from mla.evaluation.report import TOP_LEVEL_FIELDS
+from mla.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
+from mla.testing import tiny_llama, tiny_tokenizer
+
+D_H = 16  # tiny_llama: hidden 64, 4 query heads
+
+
+def save_model(model, tokenizer, path):
+    """save_pretrained, with parameters made contiguous first (converted weights may be views)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory, tok):
+    mla, _ = convert_model(tiny_llama(num_kv_heads=2), d_kv=4)
+    return save_model(mla, tok, tmp_path_factory.mktemp("mla") / "dkv4")
+
+
+@pytest.fixture(scope="module")
+def blocks_npy(tmp_path_factory):
+    path = tmp_path_factory.mktemp("blocks") / "validation.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 512, (3, 48)).astype(np.uint16))
+    return path
+
+
+# -- KV cache bytes ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_kv", [2, 4])              # GQA and MHA
+@pytest.mark.parametrize("d_kv", [None, 2, 6])        # original, converted
+def test_measured_cache_bytes_match_formula(n_kv, d_kv):
+    model = tiny_llama(num_kv_heads=n_kv)
+    layers = model.config.num_hidden_layers
+    if d_kv is None:
+        expected_per_token = 2 * n_kv * D_H * layers * 4                  # K and V, fp32
+    else:
+        model, report = convert_model(model, d_kv=d_kv)
+        expected_per_token = n_kv * (d_kv + 2 * report["r"]) * layers * 4  # latent + RoPE'd keys
+    res = kv_bytes.measure_kv_bytes(model, batch=3, prompt_len=10, new_tokens=5)
+    assert res["cached_tokens"] == 10 + 5 - 1
+    assert res["cache_bytes"] == 3 * 14 * expected_per_token
+    assert res["bytes_per_token_measured"] == expected_per_token == res["bytes_per_token_formula"]
+    assert res["matches_formula"] is True
+    assert res["cache_class"] == ("DynamicCache" if d_kv is None else "MLACache")
+
+
+# -- perplexity -------------------------------------------------------------------------------------------
+
+def test_perplexity_full_rank_equals_original(blocks_npy):
+    original = tiny_llama(num_kv_heads=2)
+    blocks = np.load(blocks_npy)
+    ref = perplexity(original, blocks)
+    assert ref["tokens"] == 3 * 47 and ref["blocks"] == 3
+    # all RoPE pairs kept (r = d_h/2) and the full latent rank: the conversion is exact
+    full, _ = convert_model(original, d_kv=D_H, r=D_H // 2)
+    got = perplexity(full, blocks, batch_size=2)
+    assert got["mean_loss"] == pytest.approx(ref["mean_loss"], rel=1e-5)
+    assert got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5)
+    assert ref["perplexity"] == pytest.approx(math.exp(ref["mean_loss"]))
+    # ... while a compressed one is measurably different (the comparison can fail)
+    low, _ = convert_model(original, d_kv=1)
+    assert abs(perplexity(low, blocks)["mean_loss"] - ref["mean_loss"]) > 1e-3
+
+
+def test_perplexity_rejects_foreign_tokens():
+    with pytest.raises(ValueError, match="vocab size"):
+        perplexity(tiny_llama(), np.full((1, 8), 9999))
+
+
+# -- lm-eval on the local task -------------------------------------------------------------------------
+
+def test_local_task_documents_are_true_next_lines():
+    sys.path.insert(0, str(TASKS_DIR))
+    try:
+        import stdlib_next_line as task
+    finally:
+        sys.path.remove(str(TASKS_DIR))
+    import sysconfig
+    from pathlib import Path
+
+    from mla.data import in_validation
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = task.load(num_docs=25)["test"]
+    assert len(docs) == 25
+    for doc in docs:
+        assert in_validation("python-stdlib", doc["file"], 0.05)       # held-out files only
+        lines = [l.rstrip() for l in (root / doc["file"]).read_text(encoding="utf-8").splitlines()]
+        i = doc["line"] - 1
+        assert doc["choices"][doc["gold"]] == lines[i]
+        assert doc["context"].endswith(lines[i - 1] + "\n")
+        assert len(set(doc["choices"])) == 4
+    assert list(task.load(num_docs=25)["test"]) == list(docs)             # deterministic
+
+
+def _own_predictions(model, tok, docs):
+    """acc / acc_norm predictions computed here, the way lm-eval scores multiple choice."""
+    preds, preds_norm = [], []
+    for doc in docs:
+        ctx = doc["context"]
+        lls = []
+        for choice in doc["choices"]:
+            stripped = ctx.rstrip()                     # trailing whitespace moves to the continuation
+            cont = ctx[len(stripped):] + choice
+            whole = tok(stripped + cont, add_special_tokens=False)["input_ids"]
+            n_ctx = len(tok(stripped, add_special_tokens=False)["input_ids"])
+            ids = torch.tensor([whole])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            target = ids[0, 1:]
+            lls.append(float(logp[torch.arange(len(target)), target][n_ctx - 1:].sum()))
+        lls = np.array(lls)
+        preds.append(int(np.argmax(lls)))
+        preds_norm.append(int(np.argmax(lls / np.array([len(c) for c in doc["choices"]], dtype=float))))
+    gold = np.array([d["gold"] for d in docs])
+    return np.array(preds), np.array(preds_norm), gold
+
+
+def test_lm_eval_local_task_on_mla_model(tok):
+    """The harness runs end to end on an MLA model and returns exactly our own scoring's accuracy; a
+    broken model (output head zeroed: uniform next-token distribution) gets different predictions.
+    (Random tiny models are not better than chance; good > broken on real weights is the slow test.)"""
+    sys.path.insert(0, str(TASKS_DIR))
+    try:
+        import stdlib_next_line as task
+    finally:
+        sys.path.remove(str(TASKS_DIR))
+    docs = list(task.load(num_docs=24)["test"])
+    good, _ = convert_model(tiny_llama(num_kv_heads=2, seed=1), d_kv=4)
+    broken, _ = convert_model(tiny_llama(num_kv_heads=2, seed=1), d_kv=4)
+    with torch.no_grad():
+        good.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))  # confident logits
+        broken.lm_head.weight.zero_()
+    results = {}
+    for name, model in (("good", good), ("broken", broken)):
+        res = harness.local_task(model, tok, num_docs=24, batch_size=4)
+        assert res["task"] == LOCAL_TASK and res["n"] == 24
+        assert 0.0 <= res["acc"] <= 1.0 and 0.0 <= res["acc_norm"] <= 1.0
+        preds, preds_norm, gold = _own_predictions(model, tok, docs)
+        assert res["acc"] == pytest.approx(float(np.mean(preds == gold)))
+        assert res["acc_norm"] == pytest.approx(float(np.mean(preds_norm == gold)))
+        results[name] = preds_norm
+    assert (results["good"] != results["broken"]).any()
+
+
+def test_paper_tasks_skip_offline_with_reason(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = harness.paper_tasks(model=None, tokenizer=None)
+    assert res["status"] == "skipped" and "HF_HUB_OFFLINE is set" in res["reason"]
+    assert "scores" not in res and "average" not in res
+    assert set(res["tasks"]) == {"mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande"}
+
+
+def test_paper_column_scores_from_lm_eval_results():
+    results = {"arc_easy": {"acc,none": 0.6, "acc_norm,none": 0.5}, "arc_challenge": {"acc_norm,none": 0.3},
+               "winogrande": {"acc,none": 0.55},
+               "mmlu_anatomy_continuation": {"acc_norm,none": 0.4},
+               "mmlu_astronomy_continuation": {"acc_norm,none": 0.1}, "mmlu_continuation": {"acc,none": 0.2}}
+    n = {"mmlu_anatomy_continuation": {"effective": 30}, "mmlu_astronomy_continuation": {"effective": 10}}
+    assert harness._column_score(results, n, ("arc_easy", "arc_challenge")) == pytest.approx(0.4)
+    assert harness._column_score(results, n, ("winogrande",)) == pytest.approx(0.55)    # acc where no acc_norm
+    assert harness._column_score(results, n, ("mmlu_continuation",)) == pytest.approx((0.4 * 30 + 0.1 * 10) / 40)
+    assert harness._column_score(results, n, ("piqa",)) is None
+
+
+# -- decode speed --------------------------------------------------------------------------------------
+
+def test_predicted_speedup_formula():
+    # SmolLM-135M shape (peers.md §3.4): κ 384 -> 48 per layer, 30 layers, bf16: S_max = 8
+    kv_orig, kv_mla = 384 * 30 * 2, 48 * 30 * 2
+    assert decode.predicted_speedup(0, 0, kv_orig, kv_mla, 1, 1) == pytest.approx(8.0)
+    w = kv_orig * 12_000                                 # ~276 MB of weights
+    crossover = 12_000                                   # B·T where KV reads equal weight reads
+    assert decode.predicted_speedup(w, w, kv_orig, kv_mla, 4, crossover // 4) == pytest.approx(2 / (1 + 1 / 8))
+    assert decode.predicted_speedup(w, w, kv_orig, kv_mla, 1, 10 ** 9) > 7.9
+
+
+def test_weight_bytes_counts_tied_head_once():
+    m = tiny_llama(tie_word_embeddings=True)
+    n_unique = sum(p.numel() for p in m.parameters())
+    assert decode.weight_bytes(m) == 4 * n_unique
+    untied = tiny_llama(tie_word_embeddings=False)
+    emb = untied.get_input_embeddings().weight.numel()
+    assert decode.weight_bytes(untied) == 4 * (sum(p.numel() for p in untied.parameters()) - emb)
+
+
+@pytest.mark.parametrize("text, message", [("8x", "BATCHxCONTEXT"), ("0x16", "BATCHxCONTEXT"), ("a", "BATCHxCONTEXT")])
+def test_parse_grid_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        decode.parse_grid(text)
+    assert decode.parse_grid(" 1x2,8X4096") == [(1, 2), (8, 4096)]
+
+
+# -- the command, the JSON, MLflow, the table ----------------------------------------------------------
+
+def test_evaluate_cli_json_has_every_field(mla_dir, blocks_npy, tmp_path, monkeypatch, tiny_checkpoint):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "eval" / "dkv4.json"
+    rc = main(["evaluate", "--model", str(mla_dir), "--out", str(out), "--variant", "dkv4",
+               "--blocks", str(blocks_npy), "--local-docs", "16", "--decode-grid", "1x32,2x48",
+               "--decode-steps", "2", "--tracking-uri", uri, "--experiment", "exp", "--run-name", "dkv4"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(TOP_LEVEL_FIELDS) <= set(res)
+    assert all(res[k] is not None for k in TOP_LEVEL_FIELDS), [k for k in TOP_LEVEL_FIELDS if res[k] is None]
+    assert res["is_mla"] and res["model_type"] == "mla_llama" and res["d_kv"] == 4 and res["variant"] == "dkv4"
+    kv = res["kv_cache"]
+    assert kv["matches_formula"] and kv["bytes_per_token_measured"] == 2 * (4 + 2 * res["r"]) * 2 * 4
+    ppl = res["perplexity"]
+    assert ppl["blocks"] == 3 and ppl["tokens"] == 3 * 47 and ppl["perplexity"] == pytest.approx(
+        math.exp(ppl["mean_loss"]))
+    local = res["benchmarks"]["local"]
+    assert local["task"] == LOCAL_TASK and local["n"] == 16 and 0 <= local["acc_norm"] <= 1
+    paper = res["benchmarks"]["paper"]
+    assert paper["status"] == "skipped" and "Hub" in paper["reason"]
+    dec = res["decode"]
+    assert [(p["batch"], p["context"]) for p in dec["grid"]] == [(1, 32), (2, 48)]
+    for p in dec["grid"]:
+        for key in ("mla_tps", "mla_absorbed_tps", "original_tps", "speedup", "speedup_absorbed"):
+            assert p[key] > 0
+        assert p["predicted_speedup"] == pytest.approx(decode.predicted_speedup(
+            dec["original_weight_bytes"], dec["weight_bytes"], dec["original_kv_bytes_per_token"],
+            dec["kv_bytes_per_token"], p["batch"], p["context"]))
+    assert dec["original_kv_bytes_per_token"] == 2 * 2 * D_H * 2 * 4
+
+    # logged to the variant's MLflow run
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.search_runs([client.get_experiment_by_name("exp").experiment_id])[0]
+    assert run.info.run_name == "dkv4"
+    assert run.data.metrics["eval/perplexity"] == pytest.approx(ppl["perplexity"])
+    assert run.data.metrics[f"eval/{LOCAL_TASK}_acc_norm"] == pytest.approx(local["acc_norm"])
+    assert "decode/speedup_absorbed_B2_T48" in run.data.metrics
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "evaluation")] == ["evaluation/dkv4.json"]
+
+    # the original checkpoint: same command, no MLA fields, and the table reads both JSONs
+    out0 = tmp_path / "eval" / "original.json"
+    assert main(["evaluate", "--model", str(tiny_checkpoint), "--out", str(out0), "--variant", "original",
+                 "--no-local-task", "--decode-grid", "none", "--paper-tasks", "off"]) == 0
+    res0 = json.loads(out0.read_text())
+    assert not res0["is_mla"] and res0["d_kv"] is None and res0["decode"] is None
+    assert res0["kv_cache"]["bytes_per_token_measured"] == 2 * 2 * D_H * 2 * 4
+
+    from mla.tables import Variant, build_table
+
+    header, rows = build_table([Variant("original", eval=out0), Variant("dkv4", eval=out)])
+    kv_col = header.index("KV mem. change %")
+    assert rows[1][kv_col] == pytest.approx(((4 + 2 * res["r"]) / (2 * D_H) - 1) * 100)
+    assert rows[1][header.index("decode speedup")] == pytest.approx(dec["grid"][-1]["speedup_absorbed"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent"], "missing checkpoint"),
+    (["--decode-grid", "8by4096"], "BATCHxCONTEXT"),
+    (["--experiment", "e"], "--experiment and --run-name go together"),
+    (["--blocks", "/nonexistent.npy"], "--blocks not found"),
+])
+def test_evaluate_bad_input(tmp_path, capsys, tiny_checkpoint, argv, message):
+    base = ["evaluate", "--out", str(tmp_path / "e.json")]
+    if "--model" not in argv:
+        base += ["--model", str(tiny_checkpoint)]
+    assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# -- SmolLM2-135M (real weights; cached once per machine) ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from mla.checkpoint import load_model, load_tokenizer
+
+    return load_model(smollm2_dir), load_tokenizer(smollm2_dir)
+
+
+@pytest.mark.slow
+def test_smollm2_cache_bytes_match_formula(smollm2):
+    model, _ = smollm2
+    c = model.config
+    assert (c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == (30, 3, 64)
+    res = kv_bytes.measure_kv_bytes(model, batch=2, prompt_len=8, new_tokens=4)
+    assert res["bytes_per_token_measured"] == 30 * 2 * 3 * 64 * 4 and res["matches_formula"]
+    mla, report = convert_model(model, d_kv=8)
+    assert report["r"] == 4
+    res = kv_bytes.measure_kv_bytes(mla, batch=2, prompt_len=8, new_tokens=4)
+    assert res["bytes_per_token_measured"] == 30 * 3 * (8 + 8) * 4 and res["matches_formula"]
+
+
+@pytest.mark.slow
+def test_smollm2_lm_eval_good_vs_broken(smollm2):
+    """A lossless MLA SmolLM2 (all RoPE pairs, full latent rank) picks true next lines far above chance;
+    the same model with permuted token embeddings does not."""
+    model, tok = smollm2
+    mla, _ = convert_model(model, d_kv=64, r=32)
+    good = harness.local_task(mla, tok, num_docs=60)
+    with torch.no_grad():
+        e = mla.model.embed_tokens.weight
+        e.copy_(e[torch.randperm(e.shape[0], generator=torch.Generator().manual_seed(0))])
+    broken = harness.local_task(mla, tok, num_docs=60)
+    assert 0 <= broken["acc_norm"] <= 1 and 0 <= good["acc_norm"] <= 1
+    assert good["acc_norm"] >= 0.5
+    assert good["acc_norm"] - broken["acc_norm"] >= 0.2

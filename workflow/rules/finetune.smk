@@ -1,0 +1,34 @@
+# Continued pre-training of every variant (converted models and the unconverted baseline), identically.
+
+
+rule finetune:
+    input:
+        model=lambda wc: start_checkpoint(wc.experiment, wc.variant),
+        data=lambda wc: data_dir(experiment_model(wc.experiment)),
+    output:
+        final=directory("results/finetune/{experiment}/{variant}/final"),
+        metrics="results/finetune/{experiment}/{variant}/metrics.csv",
+        run="results/finetune/{experiment}/{variant}/run.json",
+    params:
+        out=lambda wc: finetune_dir(wc.experiment, wc.variant),
+        args=finetune_args,
+        ckpt_root=lambda wc: f"results/checkpoints/{wc.experiment}/{wc.variant}",
+        settings=lambda wc: settings_hash(wc.experiment, wc.variant),
+    log:
+        "logs/finetune/{experiment}/{variant}.log",
+    benchmark:
+        "benchmarks/finetune/{experiment}/{variant}.tsv"
+    threads: 2
+    resources:
+        gpu=finetune_gpus,
+        # torch threads per process (not a param: changing the cores must not retrain anything)
+        torch_threads=lambda wc, threads: max(1, threads // variant_settings(wc.experiment, wc.variant)["train"]["nproc"]),
+    shell:
+        # Trainer/DeepSpeed checkpoints live outside the declared outputs, so a failed or killed job
+        # resumes. Their folder is keyed by the settings' hash and by the time the starting checkpoint
+        # was written: a changed setting or a re-made input starts afresh (older folders are removed).
+        "ckpt={params.ckpt_root}/{params.settings}-$(stat -c %Y {input.model}/config.json);"
+        " mkdir -p {params.ckpt_root};"
+        " find {params.ckpt_root} -mindepth 1 -maxdepth 1 ! -path \"$ckpt\" -exec rm -rf {{}} + ;"
+        " MLA_SNAKEMAKE_RULE={rule} {MLA} train --model {input.model} --data {input.data}"
+        " --out {params.out} --checkpoint-dir \"$ckpt\" {params.args} --threads {resources.torch_threads} > {log} 2>&1"
