@@ -141,3 +141,17 @@ def test_panel_object_api(runs):
     fig = loss_figure([Panel("SmolLM-135M", "GQA", [Run(gqa["baseline"]), Run(gqa[32], d_kv=32)])])
     labels = [l.get_label() for l in legend_lines(fig.axes[0])]
     assert labels == ["GQA2MLA d_kv = 32", "GQA"]
+
+
+def test_figure_logged_to_mlflow_summary_run(runs, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    gqa, _ = runs
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["plot", "--out", str(tmp_path / "fig" / "loss"), "--panel", "SmolLM-135M", "--kind", "GQA",
+                 "--run", f"8={gqa[8]}", "--run", f"baseline={gqa['baseline']}",
+                 "--tracking-uri", uri, "--experiment", "study"]) == 0
+    client = MlflowClient(tracking_uri=uri)
+    run = client.search_runs([client.get_experiment_by_name("study").experiment_id])[0]
+    assert run.info.run_name == "summary" and run.info.status == "FINISHED"
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["loss.pdf", "loss.png"]

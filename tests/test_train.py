@@ -2,49 +2,28 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from train_helpers import BLOCK, plain_losses, read_rows, run_train, train_inputs  # noqa: F401  (fixture)
 
 from mla.cli import main
 
-STEPS, SAVE, KILL_AT = 8, 3, 5
+STEPS, SAVE, KILL_AT, LR = 8, 3, 5, 3e-3
+RECIPE = ["--steps", str(STEPS), "--lr", str(LR), "--warmup-steps", "2", "--decay-steps", "3", "--micro-batch", "2",
+          "--grad-accum", "2", "--save-steps", str(SAVE), "--experiment", "t"]
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    from mla.convert import convert_checkpoint
-    from mla.data import build_dataset
-    from mla.testing import save_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("train")
-    save_tiny_checkpoint(root / "llama")
-    convert_checkpoint(root / "llama", root / "mla", d_kv=8, strategy="high")
-    build_dataset("pydoc-stdlib", root / "llama", root / "data", block_length=32, max_train_tokens=4096,
-                  max_validation_tokens=256, log=lambda *_: None)
-    return root
+def train(root, out, *extra, env_extra=None):
+    return run_train(root, out, *RECIPE, *extra, env_extra=env_extra)
 
 
-def train(root: Path, out: str, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    env.pop("MLA_FAULT_KILL_AT_STEP", None)
-    env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "mla", "train", "--model", str(root / "mla"), "--data", str(root / "data"),
-           "--out", str(root / out), "--steps", str(STEPS), "--lr", "3e-3", "--warmup-steps", "2",
-           "--decay-steps", "3", "--micro-batch", "2", "--grad-accum", "2", "--zero-stage", "2",
-           "--save-steps", str(SAVE), "--tracking-uri", f"sqlite:///{root}/mlflow.db", "--experiment", "t",
-           *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+rows = read_rows
 
 
-def rows(path: Path) -> list[dict]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
+@pytest.fixture()
+def inputs(train_inputs):
+    return train_inputs
 
 
 @pytest.mark.timeout(400)
@@ -71,7 +50,11 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     assert losses_a[-1] < losses_a[0] - 0.05
     assert max(abs(x - y) for x, y in zip(losses_a, losses_b)) <= 1e-6, (losses_a, losses_b)
     assert [float(r["lr"]) for r in a] == [float(r["lr"]) for r in b]
-    assert int(b[-1]["tokens"]) == STEPS * 4 * 32
+    assert int(b[-1]["tokens"]) == STEPS * 4 * BLOCK
+    assert all(float(r["grad_norm"]) > 0 for r in a)
+    # default ZeRO stage 0, one process, 2 micro-batches accumulated == plain PyTorch on the whole batch
+    ref = plain_losses(inputs, STEPS, 4, LR, 2, 3)
+    assert max(abs(x - y) for x, y in zip(losses_a, ref)) <= 1e-4, (losses_a, ref)
 
     info = json.loads((inputs / "resumed" / "run.json").read_text())
     assert info["resumed_from"].endswith(f"checkpoint-{SAVE}")
@@ -88,7 +71,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
     assert {m.step: m.value for m in history} == pytest.approx(dict(enumerate(losses_b, 1)), abs=1e-9)
-    assert run.data.params["steps"] == str(STEPS) and run.data.params["zero_stage"] == "2"
+    assert run.data.params["steps"] == str(STEPS) and run.data.params["zero_stage"] == "0"
     assert run.data.params["global_batch"] == "4"
     assert run.data.tags["d_kv"] == "8" and run.data.tags["variant"] == "d_kv8"
     assert len(run.data.tags["git_commit"]) == 40
@@ -136,3 +119,25 @@ def test_missing_inputs_and_config_file(inputs, tmp_path, capsys):
     cfg.write_text("stepz: 3\n")
     assert main(["train", "--config", str(cfg)]) == 2
     assert "unknown option(s) ['stepz']" in capsys.readouterr().err
+
+
+def test_deepspeed_config_is_explicit_where_it_matters(tmp_path):
+    from mla.training.config import TrainConfig, resolve
+    from mla.training.deepspeed_config import deepspeed_config
+
+    cfg = resolve(TrainConfig(model="m", data="d", out=str(tmp_path / "o"), zero_stage=3, clip=0.5, offload=True))
+    cpu = deepspeed_config(cfg, cuda=False)
+    assert cpu["gradient_clipping"] == 0.5  # DeepSpeed 0.19.8 would clip at 1.0 without the key
+    assert cpu["optimizer"]["params"]["torch_adam"] is True
+    assert cpu["optimizer"]["params"]["betas"] == [0.9, 0.95] and cpu["optimizer"]["params"]["eps"] == 1e-8
+    assert cpu["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert cpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert {cpu[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")} \
+        == {"auto"}
+    assert "torch_adam" not in deepspeed_config(cfg, cuda=True)["optimizer"]["params"]
+    override = tmp_path / "ds.json"
+    override.write_text(json.dumps({"wall_clock_breakdown": True, "zero_optimization": {"reduce_bucket_size": 7}}))
+    cfg.deepspeed = str(override)
+    merged = deepspeed_config(cfg, cuda=False)
+    assert merged["wall_clock_breakdown"] is True
+    assert merged["zero_optimization"]["reduce_bucket_size"] == 7 and merged["zero_optimization"]["stage"] == 3

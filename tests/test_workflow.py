@@ -149,7 +149,7 @@ def test_second_run_does_nothing_and_a_changed_d_kv_reruns_only_its_jobs(smoke_r
 
     plan = snakemake(work, "-n", configfile=changed)
     assert plan.returncode == 0, plan.stderr[-3000:]
-    jobs = planned_jobs(plan.stdout)
+    jobs = planned_jobs(plan.stdout + plan.stderr)
     wild = f"experiment={exp_name}, d_kv={d_kv}"
     var = f"experiment={exp_name}, variant=dkv{d_kv}"
     assert jobs == {("convert", wild), ("finetune", var), ("evaluate", var),

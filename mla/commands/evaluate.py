@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-HELP = "Evaluate a checkpoint (original, converted or fine-tuned): perplexity, lm-eval, KV bytes, decode speed."
+HELP = "evaluate a checkpoint (original, converted or fine-tuned): perplexity, lm-eval, KV bytes, decode speed."
 
 EPILOG = """\
 Writes one JSON (--out) with every measurement; see mla/evaluation/report.py for its layout.

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-HELP = "Draw loss-vs-step figures (MHA2MLA / GQA2MLA panels) from training metrics.csv files."
+HELP = "draw loss-vs-step figures (MHA2MLA / GQA2MLA panels) from training metrics.csv files."
 
 EPILOG = """\
 Panels are given either as a spec file or on the command line, in order:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mla.commands.plot import _Ordered
 
-HELP = "Tabulate an experiment's variants (KV memory, params, loss, perplexity, scores, speed) vs the paper."
+HELP = "tabulate an experiment's variants (KV memory, params, loss, perplexity, scores, speed) vs the paper."
 
 EPILOG = """\
 Variants are given in order; every option after --variant NAME belongs to it:

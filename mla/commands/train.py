@@ -42,6 +42,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--zero-stage", dest="zero_stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload the optimizer state to CPU (ZeRO 1-3)")
+    g.add_argument("--deepspeed", metavar="JSON", help="DeepSpeed settings merged over the generated config")
     g.add_argument("--nproc", type=int, help="processes on this node (default 1; >1 re-launches under torchrun)")
     g.add_argument("--master-port", dest="master_port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--threads", type=int, help="torch threads per process")

@@ -66,7 +66,7 @@ def _metric(result: dict, name: str):
     return None
 
 
-def local_task(model, tokenizer, *, num_docs: int = 200, seed: int = 1234, context_lines: int = 8,
+def local_task(model, tokenizer, *, num_docs: int = 200, seed: int = 1234, context_lines: int = 6,
                validation_fraction: float = 0.05, batch_size: int = 8) -> dict:
     """Accuracy on `mla_stdlib_next_line` (4 choices: chance is 0.25)."""
     meta = {"num_docs": num_docs, "seed": seed, "context_lines": context_lines,

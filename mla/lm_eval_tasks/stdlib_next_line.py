@@ -17,7 +17,7 @@ from pathlib import Path
 
 SOURCE_NAME = "python-stdlib"   # the name of the source in mla.data.PYDOC_STDLIB (same split hash)
 MIN_LINE_CHARS = 12
-MAX_CONTEXT_CHARS = 700
+MAX_CONTEXT_CHARS = 400
 N_CHOICES = 4
 
 
@@ -75,7 +75,7 @@ def make_docs(files: list[tuple[str, list[str]]], num_docs: int, seed: int, cont
     return docs
 
 
-def load(num_docs: int = 200, seed: int = 1234, context_lines: int = 8, validation_fraction: float = 0.05,
+def load(num_docs: int = 200, seed: int = 1234, context_lines: int = 6, validation_fraction: float = 0.05,
          stdlib_root: str | None = None, **_ignored):
     import datasets
 

@@ -30,6 +30,7 @@ class TrainConfig:
     global_batch: int | None = None      # sequences per optimizer step, all ranks together
     zero_stage: int = 0
     offload: bool = False                # ZeRO optimizer state offloaded to CPU (stages 1-3)
+    deepspeed: str | None = None         # JSON file merged over the generated DeepSpeed config (expert knobs)
     weight_decay: float = 0.01
     clip: float = 1.0                    # gradient clipping (max global norm); 0 disables
     adam_beta1: float = 0.9
@@ -147,6 +148,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError("save_steps and log_steps must be > 0")
     if cfg.clip < 0 or cfg.weight_decay < 0:
         raise UserError("clip and weight decay must be >= 0")
+    if cfg.deepspeed and not Path(cfg.deepspeed).is_file():
+        raise UserError(f"DeepSpeed override file {cfg.deepspeed} does not exist")
     if not isinstance(cfg.tags, dict):
         raise UserError("tags must be a mapping name -> value")
     return cfg

@@ -26,7 +26,7 @@ def deepspeed_config(cfg, cuda: bool) -> dict:
     adam = {"lr": "auto", "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_eps, "weight_decay": "auto"}
     if not cuda:
         adam["torch_adam"] = True
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
@@ -39,6 +39,17 @@ def deepspeed_config(cfg, cuda: bool) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.deepspeed:
+        config = merge(config, json.loads(Path(cfg.deepspeed).read_text()))
+    return config
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Recursive dict update: `override` wins, nested mappings are merged key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def write_deepspeed_config(cfg, cuda: bool, path: str | Path) -> Path:

@@ -68,9 +68,9 @@ class MLATrainer(Trainer):
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not getattr(self, "_grad_norm_recorded", False):
-            _record_grad_norm(model)
-            self._grad_norm_recorded = True
+        if not getattr(self, "_engine_tuned", False):
+            _tune_engine(model)
+            self._engine_tuned = True
         loss = super().training_step(model, inputs, num_items_in_batch)
         if not torch.isfinite(loss).all():
             raise TrainingDiverged(f"loss is {loss.item()} at step {self.state.global_step + 1} "
@@ -78,14 +78,23 @@ class MLATrainer(Trainer):
         return loss
 
 
-def _record_grad_norm(engine) -> None:
-    """ZeRO stage 0 with a torch optimizer clips through `engine.clip_fp32_gradients`, which drops the norm
-    it computes, so the Trainer gets no grad norm. Keep it where `get_global_grad_norm` looks."""
+def _tune_engine(engine) -> None:
+    """Two fixes for ZeRO stage 0 (DeepSpeed 0.19.8), applied to the engine before the first step.
+
+    - With a torch optimizer the engine clips through `clip_fp32_gradients`, which drops the norm it
+      computes, so the Trainer would get no grad norm: keep it where `get_global_grad_norm` looks.
+    - With one rank the backward all-reduce (flatten all grads into buckets, gloo all_reduce, copy back)
+      is a no-op that costs two passes over the gradients per step: switch it off.
+    """
     if not hasattr(engine, "clip_fp32_gradients") or not hasattr(engine, "zero_optimization_stage"):
         return
     if engine.zero_optimization_stage() != 0:
         return
+    import torch.distributed as dist
     from deepspeed.runtime.utils import clip_grad_norm_
+
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        engine.enable_backward_allreduce = False
 
     def clip_and_record():
         norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
@@ -192,7 +201,7 @@ def default_tags(cfg, model_config) -> dict:
 def mlflow_params(cfg, manifest: dict) -> dict:
     keys = ["steps", "lr", "warmup_steps", "decay_steps", "micro_batch", "grad_accum", "global_batch", "world_size",
             "zero_stage", "offload", "weight_decay", "clip", "adam_beta1", "adam_beta2", "adam_eps", "seed",
-            "precision", "model", "data"]
+            "precision", "model", "data", "deepspeed"]
     params = {k: getattr(cfg, k) for k in keys}
     params.update(block_length=manifest["block_length"], data_corpus=manifest["corpus"],
                   data_train_sha256=manifest["splits"]["train"]["sha256"])

@@ -16,7 +16,8 @@ from snakemake.exceptions import WorkflowError
 SCHEMA_PATH = Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml"
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
 # SLURM jobs (which rerun Snakemake inside the job) use the same environment.
-MLA = f"{shlex.quote(sys.executable)} -m mla"
+PYTHON = shlex.quote(sys.executable)
+MLA = f"{PYTHON} -m mla"
 
 
 # ---------------------------------------------------------------- config validation
@@ -257,13 +258,15 @@ def convert_inputs(wc):
     return inputs
 
 
-def convert_args(wc, input):
-    s = variant_settings(wc.experiment, f"dkv{wc.d_kv}")
+def convert_args(wc):
+    # params depend on wildcards only: Snakemake compares them with the last run (rerun trigger)
+    variant = f"dkv{wc.d_kv}"
+    s = variant_settings(wc.experiment, variant)
     args = f"--rope-strategy {s['rope_strategy']} --svd {s['svd']}"
     if s["r"] is not None:
         args += f" --r {s['r']}"
-    if "scores" in input.keys():
-        args += f" --scores {input.scores}"
+    if needs_scores(wc.experiment, variant):
+        args += f" --scores results/calibrate/{experiment_model(wc.experiment)}/scores.pt"
     return args
 
 
@@ -315,7 +318,7 @@ def evaluate_args(wc):
 
 
 def evaluate_inputs(wc):
-    inputs = {"data": data_dir(experiment_model(wc.experiment))}
+    inputs = {"data": data_dir(experiment_model(wc.experiment)), "store": "results/mlflow.ready"}
     if wc.variant == "original":
         inputs["model"] = model_dir(experiment_model(wc.experiment))
     else:
@@ -325,7 +328,7 @@ def evaluate_inputs(wc):
 
 
 # ---------------------------------------------------------------- figures rules
-def plot_args(wc, input):
+def plot_args(wc):
     args = []
     for e, exp in config["experiments"].items():
         args += ["--panel", model_label(exp["model"]), "--kind", exp["kind"]]
@@ -351,15 +354,15 @@ def table_inputs(wc):
     return inputs
 
 
-def table_args(wc, input):
+def table_args(wc):
     exp = config["experiments"][wc.experiment]
     model = config["models"][exp["model"]]
     args = ["--title", f"{wc.experiment}: {model_label(exp['model'])}", "--model", model_label(exp["model"]),
             "--paper-model", model.get("paper", "none")]
     for v in evaluated_variants(wc.experiment):
-        args += ["--variant", v, "--eval", input[f"eval_{v}"]]
+        args += ["--variant", v, "--eval", f"results/evaluate/{wc.experiment}/{v}/eval.json"]
         if v != "original":
-            args += ["--metrics", input[f"metrics_{v}"]]
+            args += ["--metrics", f"{finetune_dir(wc.experiment, v)}/metrics.csv"]
         if v.startswith("dkv"):
-            args += ["--d-kv", v[3:], "--conversion", f"{input['convert_' + v]}/conversion.json"]
+            args += ["--d-kv", v[3:], "--conversion", f"results/convert/{wc.experiment}/{v}/conversion.json"]
     return " ".join(shlex.quote(a) for a in args)

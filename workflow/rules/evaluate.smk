@@ -9,7 +9,7 @@ rule evaluate:
         "results/evaluate/{experiment}/{variant}/eval.json",
     params:
         args=evaluate_args,
-        run=lambda wc, input: f"--run-json {input.run}" if "run" in input.keys() else "",
+        run=lambda wc: "" if wc.variant == "original" else f"--run-json {finetune_dir(wc.experiment, wc.variant)}/run.json",
     wildcard_constraints:
         variant=_alternatives(["original", *(v for e in config["experiments"].values() for v in variants_of(e))]),
     log:

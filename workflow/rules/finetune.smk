@@ -1,10 +1,26 @@
 # Continued pre-training of every variant (converted models and the unconverted baseline), identically.
 
 
+# MLflow's first use of a new sqlite store migrates its schema; parallel jobs doing that at once
+# collide ("table _alembic_tmp_... already exists"), so the store is created once, before them.
+rule tracking_store:
+    output:
+        "results/mlflow.ready",
+    params:
+        uri=config["mlflow"]["tracking_uri"],
+    log:
+        "logs/tracking_store/store.log",
+    shell:
+        "{PYTHON} -c 'import sys; from mla import tracking;"
+        " tracking.client_for(sys.argv[1]).search_experiments(max_results=1)' {params.uri:q} > {log} 2>&1"
+        " && echo {params.uri:q} > {output}"
+
+
 rule finetune:
     input:
         model=lambda wc: start_checkpoint(wc.experiment, wc.variant),
         data=lambda wc: data_dir(experiment_model(wc.experiment)),
+        store="results/mlflow.ready",
     output:
         final=directory("results/finetune/{experiment}/{variant}/final"),
         metrics="results/finetune/{experiment}/{variant}/metrics.csv",

@@ -1,0 +1,71 @@
+"""Shared by test_train.py and test_train_zero.py: a tiny MLA checkpoint + packed data (built once per
+session), `mla train` in a subprocess, and the plain single-process PyTorch reference loop."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="session")
+def train_inputs(tmp_path_factory) -> Path:
+    """root/llama (tiny GQA Llama), root/mla (converted, d_kv 8), root/data (pydoc-stdlib, 32-token blocks)."""
+    from mla.convert import convert_checkpoint
+    from mla.data import build_dataset
+    from mla.testing import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("train")
+    save_tiny_checkpoint(root / "llama")
+    convert_checkpoint(root / "llama", root / "mla", d_kv=8, strategy="high")
+    build_dataset("pydoc-stdlib", root / "llama", root / "data", block_length=BLOCK, max_train_tokens=4096,
+                  max_validation_tokens=256, log=lambda *_: None)
+    return root
+
+
+def run_train(root: Path, out: str, *flags: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m mla train` on the tiny MLA model and data; OUT = root/out, MLflow in root/mlflow.db."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MLA_FAULT_KILL_AT_STEP", None)
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "mla", "train", "--model", str(root / "mla"), "--data", str(root / "data"),
+           "--out", str(root / out), "--tracking-uri", f"sqlite:///{root}/mlflow.db", *flags]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
+                 clip: float = 1.0, weight_decay: float = 0.01, seed: int = 42) -> list[float]:
+    """The reference: one process, the whole global batch per step, same data order, AdamW and schedule."""
+    from mla.checkpoint import load_model
+    from mla.data import open_blocks
+    from mla.training.schedule import warmup_constant_sqrt_decay
+    from mla.training.trainer import BlockDataset
+
+    model = load_model(root / "mla").train()
+    data = BlockDataset(open_blocks(root / "data"), steps * global_batch, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    sched = warmup_constant_sqrt_decay(opt, steps, warmup, decay)
+    losses = []
+    for step in range(steps):
+        ids = torch.stack([data[i]["input_ids"] for i in range(step * global_batch, (step + 1) * global_batch)])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
