@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--r", type=int, default=None, help="kept RoPE pairs (default d_h/16 = 4)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="variants take turns this many times per point")
     p.add_argument("--profile", action="store_true", help="profile one step at the last grid point")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
@@ -76,7 +77,8 @@ def main(argv=None) -> int:
           f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); d_kv={args.d_kv} r={report['r']}; "
           f"KV elements/token {report['kv_elements_per_token_before']} -> {report['kv_elements_per_token_after']}; "
           f"models built in {time.perf_counter() - t0:.1f}s; load average {os.getloadavg()[0]:.1f}")
-    res = decode_grid(mla, grid, steps=args.steps, warmup=args.warmup, original=original, log=None)
+    res = decode_grid(mla, grid, steps=args.steps, warmup=args.warmup, rounds=args.rounds, original=original,
+                      log=None)
     w, w0 = res["weight_bytes"], res["original_weight_bytes"]
     kv, kv0 = res["kv_bytes_per_token"], res["original_kv_bytes_per_token"]
     print(f"weight bytes: original {w0 / 1e6:.1f} MB, MLA {w / 1e6:.1f} MB; cache bytes/token: original "

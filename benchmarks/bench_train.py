@@ -5,11 +5,14 @@
 2. `mla train` (Trainer + DeepSpeed, one process, each ZeRO stage asked for) vs the bare loop on the
    same model and batch (goal: ratio >= 0.85).
 
+Both wall-clock tokens/s and tokens per CPU-second (process time of all threads) are printed: on a
+machine shared with other jobs the CPU figures are the stable ones (run with --threads 1 there).
+
 Weights: the real SmolLM2-135M from `mla.sources.smollm2_checkpoint()` when it is cached (or --model),
 else a random init of the same config (speed does not depend on the values). Timed steps exclude one
-warm-up step; `mla train` figures are the median of its per-step tokens/s (metrics.csv) after step 1.
+warm-up step; `mla train` figures are medians over its steps after step 1 (metrics.csv, run.json).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_train.py [--steps 4] [--stages 0 2] [--profile]
+    OMP_NUM_THREADS=2 python benchmarks/bench_train.py [--steps 4] [--stages 0 2] [--breakdown]
 """
 
 from __future__ import annotations
@@ -50,44 +53,61 @@ def model_dir(arg: str | None, work: Path) -> Path:
     return out
 
 
-def bare_loop(path: Path, data: Path, steps: int, batch: int, threads: int) -> float:
-    """tokens/s of model(ids, labels) -> backward -> clip -> AdamW step over `steps` timed steps."""
+def bare_ab(paths: dict[str, Path], data: Path, steps: int, batch: int, threads: int) -> dict[str, dict]:
+    """Bare loop (forward, backward, clip, AdamW step) for several models in one process, alternating
+    one step of each so that load from other processes hits all alike. Returns per model the median
+    wall-clock and CPU (process time, all threads) seconds per step, warm-up step excluded."""
     from mla.checkpoint import load_model
     from mla.data import open_blocks
     from mla.training.trainer import BlockDataset
 
     torch.set_num_threads(threads)
-    model = load_model(path).train()
-    model.config.use_cache = False
     ds = BlockDataset(open_blocks(data), (steps + 1) * batch, seed=42)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    times = []
+    runs = {}
+    for name, path in paths.items():
+        model = load_model(path).train()
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+        runs[name] = (model, opt, [], [])
     for step in range(steps + 1):
         ids = torch.stack([ds[i]["input_ids"] for i in range(step * batch, (step + 1) * batch)])
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return batch * ids.shape[1] / statistics.median(times[1:])
+        for model, opt, wall, cpu in runs.values():
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return {name: {"wall": statistics.median(w[1:]), "cpu": statistics.median(c[1:])}
+            for name, (_, _, w, c) in runs.items()}
 
 
 def mla_train(path: Path, data: Path, out: Path, steps: int, batch: int, stage: int, threads: int,
-              profile: Path | None = None) -> float:
+              breakdown: bool = False) -> dict:
+    """`mla train` in a subprocess; median wall and CPU seconds per step after step 1 (from its outputs)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    prefix = [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "mla"] if profile else \
-        [sys.executable, "-m", "mla"]
-    cmd = prefix + ["train", "--model", str(path), "--data", str(data), "--out", str(out), "--steps", str(steps + 1),
-                    "--micro-batch", str(batch), "--zero-stage", str(stage), "--warmup-steps", "0",
-                    "--decay-steps", "0", "--save-steps", "1000000", "--threads", str(threads), "--no-mlflow"]
+    cmd = [sys.executable, "-m", "mla", "train", "--model", str(path), "--data", str(data), "--out", str(out),
+           "--steps", str(steps + 1), "--micro-batch", str(batch), "--zero-stage", str(stage), "--warmup-steps", "0",
+           "--decay-steps", "0", "--save-steps", "1000000", "--threads", str(threads), "--no-mlflow"]
+    if breakdown:
+        override = out.with_name(out.name + ".ds.json")
+        override.write_text(json.dumps({"wall_clock_breakdown": True, "steps_per_print": 1}))
+        cmd += ["--deepspeed", str(override)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"mla train failed:\n{proc.stderr[-3000:]}")
+    if breakdown:
+        print(f"--- DeepSpeed wall-clock breakdown, ZeRO-{stage} (ms per step) ---")
+        for line in (proc.stdout + proc.stderr).splitlines():
+            if "time (ms)" in line:
+                print("  " + line.split("|", 1)[-1].strip())
     with open(out / "metrics.csv") as f:
         tps = [float(r["tokens_per_second"]) for r in csv.DictReader(f)]
-    return statistics.median(tps[1:])
+    info = json.loads((out / "run.json").read_text())
+    tokens = batch * int(json.loads((data / "manifest.json").read_text())["block_length"])
+    return {"wall": tokens / statistics.median(tps[1:]), "cpu": statistics.median(info["cpu_seconds_per_step"][1:])}
 
 
 def main() -> None:
@@ -99,7 +119,7 @@ def main() -> None:
     p.add_argument("--d-kv", type=int, default=16)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     p.add_argument("--stages", type=int, nargs="*", default=[0, 2])
-    p.add_argument("--profile", action="store_true", help="cProfile the first `mla train` run (prints top entries)")
+    p.add_argument("--breakdown", action="store_true", help="print DeepSpeed's per-step wall-clock breakdown")
     args = p.parse_args()
 
     from mla.convert import convert_checkpoint
@@ -117,30 +137,23 @@ def main() -> None:
         print(f"model {base} | batch {args.batch} x {args.seq} | fp32 | {args.threads} threads | "
               f"{args.steps} timed steps")
 
-        results = {}
-        # interleave A/B so that load from other processes hits both sides alike
-        results["bare baseline"] = [bare_loop(base, data, args.steps, args.batch, args.threads)]
-        results["bare mla"] = [bare_loop(mla_dir, data, args.steps, args.batch, args.threads)]
+        tokens = args.batch * args.seq
+        bare = bare_ab({"baseline": base, "mla": mla_dir}, data, args.steps, args.batch, args.threads)
+        runs = {f"bare loop, baseline": bare["baseline"], f"bare loop, MLA d_kv {args.d_kv}": bare["mla"]}
         for stage in args.stages:
-            prof = work / f"stage{stage}.prof" if args.profile and stage == args.stages[-1] else None
-            results[f"mla train zero{stage}"] = [mla_train(base, data, work / f"run{stage}", args.steps, args.batch,
-                                                           stage, args.threads, prof)]
-            if prof:
-                import pstats
+            runs[f"mla train ZeRO-{stage}, baseline"] = mla_train(base, data, work / f"run{stage}", args.steps,
+                                                                  args.batch, stage, args.threads, args.breakdown)
+        print(f"{'':34s} {'tokens/s (wall)':>16s} {'tokens/CPU-s':>14s}")
+        for name, r in runs.items():
+            print(f"{name:34s} {tokens / r['wall']:16.1f} {tokens / r['cpu']:14.1f}")
 
-                print(f"--- cProfile of `mla train --zero-stage {stage}` (cumulative, top 25) ---")
-                pstats.Stats(str(prof)).sort_stats("cumulative").print_stats(25)
-        results["bare mla"].append(bare_loop(mla_dir, data, args.steps, args.batch, args.threads))
-        results["bare baseline"].append(bare_loop(base, data, args.steps, args.batch, args.threads))
+        def ratio(a, b):
+            return f"wall {b['wall'] / a['wall']:.3f}, CPU {b['cpu'] / a['cpu']:.3f}"
 
-        tps = {k: statistics.mean(v) for k, v in results.items()}
-        for k, v in results.items():
-            print(f"{k:22s} {tps[k]:8.1f} tokens/s  (runs: {', '.join(f'{x:.1f}' for x in v)})")
-        print(f"ratio converted/baseline (bare loop): {tps['bare mla'] / tps['bare baseline']:.3f}  (goal >= 0.95)")
+        print(f"ratio converted / baseline (bare loop): {ratio(bare['mla'], bare['baseline'])}  (goal >= 0.95)")
         for stage in args.stages:
-            print(f"ratio mla train zero{stage} / bare loop: "
-                  f"{tps[f'mla train zero{stage}'] / tps['bare baseline']:.3f}  (goal >= 0.85)")
-
+            print(f"ratio mla train ZeRO-{stage} / bare loop: "
+                  f"{ratio(runs[f'mla train ZeRO-{stage}, baseline'], bare['baseline'])}  (goal >= 0.85)")
 
 if __name__ == "__main__":
     main()

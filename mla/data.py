@@ -375,8 +375,10 @@ class DataRequest:
 def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str | os.PathLike, *,
                   block_length: int = 2048, max_train_tokens: int | None = None,
                   max_validation_tokens: int | None = None, validation_fraction: float = 0.05,
-                  seed: int = 0, force: bool = False, log=print) -> dict:
-    """Build (or reuse) the packed data folder `out_dir`; returns its manifest."""
+                  seed: int = 0, weights: dict[str, float] | None = None, force: bool = False,
+                  log=print) -> dict:
+    """Build (or reuse) the packed data folder `out_dir`; returns its manifest. `weights` overrides
+    the mixture weights of named sources."""
     if block_length < 2:
         raise UserError(f"block length must be >= 2, got {block_length}")
     if not 0 < validation_fraction < 1:
@@ -385,6 +387,12 @@ def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str |
         if cap is not None and cap < block_length:
             raise UserError(f"{label} {cap} is smaller than one block ({block_length} tokens)")
     corpus_name, sources = load_corpus(corpus)
+    if weights:
+        unknown = sorted(set(weights) - {s.name for s in sources})
+        if unknown:
+            raise UserError(f"--weight for unknown source(s) {unknown}; corpus {corpus_name!r} has "
+                            f"{[s.name for s in sources]}")
+        sources = [Source(s.name, float(weights.get(s.name, s.weight)), s.kind, s.options) for s in sources]
     check_sources(sources)
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_dir():

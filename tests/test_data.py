@@ -158,3 +158,15 @@ def test_corpus_file_with_local_text_files(tokenizer_dir, tmp_path):
     for split in ("train", "validation"):
         assert m["splits"][split]["n_blocks"] == total[split] // 32
     assert len(documents(tmp_path / "out", "validation")) == n_val_docs
+
+
+def test_weight_overrides(tokenizer_dir, tmp_path, capsys):
+    out = tmp_path / "w"
+    assert main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(out), "--block-length", "32",
+                 "--max-tokens", "3200", "--max-validation-tokens", "320", "--weight", "python-stdlib=3",
+                 "--weight", "pydoc-topics=1"]) == 0
+    src = read_manifest(out)["splits"]["train"]["sources"]
+    assert abs(src["python-stdlib"]["tokens"] - 0.75 * 3200) <= 32
+    assert main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "v"),
+                 "--weight", "fineweb=1"]) == 2
+    assert "unknown source(s) ['fineweb']" in capsys.readouterr().err

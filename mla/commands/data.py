@@ -25,17 +25,29 @@ def add_arguments(parser) -> None:
                         help="cap on validation tokens (default: all held-out documents, keeping weights)")
     parser.add_argument("--validation-fraction", type=float, default=0.05,
                         help="share of documents held out for validation, by document hash (default: %(default)s)")
+    parser.add_argument("--weight", action="append", default=[], metavar="SOURCE=W",
+                        help="override a source's mixture weight (repeatable), e.g. python-stdlib=0.7")
     parser.add_argument("--seed", type=int, default=0, help="document order seed (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="rebuild even if OUT holds a different dataset")
 
 
 def run(args) -> int:
+    from mla.cli import UserError
     from mla.data import build_dataset
 
+    weights = {}
+    for item in args.weight:
+        name, sep, value = item.partition("=")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise UserError(f"--weight {item!r}: expected SOURCE=NUMBER")
     manifest = build_dataset(
         args.corpus, args.tokenizer, args.out, block_length=args.block_length,
         max_train_tokens=args.max_tokens, max_validation_tokens=args.max_validation_tokens,
-        validation_fraction=args.validation_fraction, seed=args.seed, force=args.force,
+        validation_fraction=args.validation_fraction, seed=args.seed, weights=weights, force=args.force,
     )
     s = manifest["splits"]
     print(f"{args.out}: train {s['train']['n_blocks']} blocks, validation {s['validation']['n_blocks']} blocks "

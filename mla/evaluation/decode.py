@@ -82,51 +82,87 @@ def filled_cache(model, batch: int, context: int, seed: int = 0):
     return cache
 
 
+class _Stepper:
+    """One model with its own pre-filled cache; `run(n)` times n greedy single-token steps."""
+
+    def __init__(self, model, batch: int, context: int, absorb: bool | None = None):
+        import torch
+
+        self.model, self.batch, self.absorb = model, batch, absorb
+        self.cache = filled_cache(model, batch, context)
+        self.ids = torch.ones(batch, 1, dtype=torch.long)
+        self.step_seconds: list[float] = []
+
+    def run(self, n: int, record: bool = True) -> None:
+        import torch
+
+        if self.absorb is not None:
+            self.model.config.absorb_decode = self.absorb
+        with torch.inference_mode():
+            for _ in range(n):
+                t0 = time.perf_counter()
+                logits = self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits
+                self.ids = logits[:, -1:].argmax(-1)
+                if record:
+                    self.step_seconds.append(time.perf_counter() - t0)
+
+    def tokens_per_second(self) -> float:
+        """batch / median step time (the median resists other processes' bursts on a shared machine)."""
+        times = sorted(self.step_seconds)
+        mid = len(times) // 2
+        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        return self.batch / median
+
+
 def decode_tokens_per_second(model, batch: int, context: int, steps: int = 8, warmup: int = 2) -> dict:
-    import torch
-
-    cache = filled_cache(model, batch, context)
-    ids = torch.ones(batch, 1, dtype=torch.long)
-    with torch.inference_mode():
-        for i in range(warmup + steps):
-            if i == warmup:
-                start = time.perf_counter()
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
-            ids = logits[:, -1:].argmax(-1)
-        elapsed = time.perf_counter() - start
-    del cache
+    stepper = _Stepper(model, batch, context)
+    stepper.run(warmup, record=False)
+    stepper.run(steps)
+    tps = stepper.tokens_per_second()
+    del stepper
     gc.collect()
-    return {"tokens_per_second": batch * steps / elapsed, "step_ms": 1000 * elapsed / steps}
+    return {"tokens_per_second": tps, "step_ms": 1000 * batch / tps}
 
 
-def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, original=None,
-                log=print) -> dict:
-    """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA)."""
+def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, rounds: int = 2,
+                original=None, log=print) -> dict:
+    """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA).
+
+    At each grid point the variants take turns, `rounds` times `steps // rounds` timed steps each, so a
+    burst of load from other processes hits all of them alike; tokens/s = batch / median step time.
+    """
     is_mla = getattr(model.config, "model_type", "") == "mla_llama"
     if is_mla and original is None:
         original = original_twin(model)
     w_mla, kv_mla = weight_bytes(model), kv_bytes_per_token(model)
-    out = {"steps": steps, "warmup": warmup, "threads": _threads(), "weight_bytes": w_mla,
-           "kv_bytes_per_token": kv_mla, "grid": []}
+    out = {"steps": steps, "warmup": warmup, "rounds": rounds, "statistic": "batch / median step time",
+           "threads": _threads(), "weight_bytes": w_mla, "kv_bytes_per_token": kv_mla, "grid": []}
     if original is not None:
         w_orig, kv_orig = weight_bytes(original), kv_bytes_per_token(original)
         out.update(original_weight_bytes=w_orig, original_kv_bytes_per_token=kv_orig,
                    original_weights="random (same shapes)" if is_mla else "given")
     absorb_before = getattr(model.config, "absorb_decode", None)
+    rounds = max(1, min(rounds, steps))
     try:
         for batch, context in grid:
-            point = {"batch": batch, "context": context}
             if is_mla:
-                model.config.absorb_decode = False
-                point["mla_tps"] = decode_tokens_per_second(model, batch, context, steps, warmup)["tokens_per_second"]
-                model.config.absorb_decode = True
-                point["mla_absorbed_tps"] = decode_tokens_per_second(model, batch, context, steps, warmup)[
-                    "tokens_per_second"]
+                names = {"mla_tps": (model, False), "mla_absorbed_tps": (model, True)}
+                if original is not None:
+                    names["original_tps"] = (original, None)
             else:
-                point["model_tps"] = decode_tokens_per_second(model, batch, context, steps, warmup)["tokens_per_second"]
+                names = {"model_tps": (model, None)}
+            steppers = {k: _Stepper(m, batch, context, absorb) for k, (m, absorb) in names.items()}
+            for st in steppers.values():
+                st.run(warmup, record=False)
+            for r in range(rounds):
+                n = steps // rounds + (1 if r < steps % rounds else 0)
+                for st in steppers.values():
+                    st.run(n)
+            point = {"batch": batch, "context": context,
+                     **{k: st.tokens_per_second() for k, st in steppers.items()}}
+            del steppers
+            gc.collect()
             if is_mla and original is not None:
-                point["original_tps"] = decode_tokens_per_second(original, batch, context, steps, warmup)[
-                    "tokens_per_second"]
                 point["speedup"] = point["mla_tps"] / point["original_tps"]
                 point["speedup_absorbed"] = point["mla_absorbed_tps"] / point["original_tps"]
                 point["predicted_speedup"] = predicted_speedup(w_orig, w_mla, kv_orig, kv_mla, batch, context)

@@ -117,6 +117,7 @@ class MetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_time, self.last_step = time.perf_counter(), state.global_step
+        self.last_cpu, self.cpu_per_step = time.process_time(), []
         if not state.is_world_process_zero:
             return
         rows = []
@@ -148,7 +149,9 @@ class MetricsCallback(TrainerCallback):
             "tokens": state.global_step * self.tokens_per_step,
             "tokens_per_second": steps * self.tokens_per_step / max(now - self.last_time, 1e-9),
         }
-        self.last_time, self.last_step = now, state.global_step
+        cpu = time.process_time()
+        self.cpu_per_step.append((cpu - self.last_cpu) / steps)  # all threads of this process
+        self.last_time, self.last_step, self.last_cpu = now, state.global_step, cpu
         with open(self.csv_path, "a", newline="") as f:
             csv.DictWriter(f, METRICS_HEADER, lineterminator="\n").writerow(row)
         self.pending.append(row)
@@ -286,6 +289,7 @@ def run_training(cfg, manifest: dict) -> dict:
         "tokens": cfg.steps * cfg.global_batch * manifest["block_length"], "precision": "bf16" if bf16 else "fp32",
         "resumed_from": str(resume) if resume else None, "train_runtime_s": round(time.time() - t0, 3),
         "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
+        "cpu_seconds_per_step": metrics.cpu_per_step,  # rank 0's process CPU time per logged step
         "config": json.loads(cfg.to_json()),
     }
     if rank0:

@@ -43,8 +43,10 @@ rule finetune:
         # Trainer/DeepSpeed checkpoints live outside the declared outputs, so a failed or killed job
         # resumes. Their folder is keyed by the settings' hash and by the time the starting checkpoint
         # was written: a changed setting or a re-made input starts afresh (older folders are removed).
+        # After success they are deleted (GBs each: fp32 weights + Adam states).
         "ckpt={params.ckpt_root}/{params.settings}-$(stat -c %Y {input.model}/config.json);"
         " mkdir -p {params.ckpt_root};"
         " find {params.ckpt_root} -mindepth 1 -maxdepth 1 ! -path \"$ckpt\" -exec rm -rf {{}} + ;"
         " MLA_SNAKEMAKE_RULE={rule} {MLA} train --model {input.model} --data {input.data}"
-        " --out {params.out} --checkpoint-dir \"$ckpt\" {params.args} --threads {resources.torch_threads} > {log} 2>&1"
+        " --out {params.out} --checkpoint-dir \"$ckpt\" {params.args} --threads {resources.torch_threads} > {log} 2>&1;"
+        " rm -rf \"$ckpt\""
