@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from mla.cli import UserError
+from mla.sources import sha256_of
 
 SPLITS = ("train", "validation")
 MANIFEST = "manifest.json"
@@ -326,14 +327,6 @@ def _tokenizer_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_manifest(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
@@ -447,7 +440,7 @@ def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str |
                 "tokens": int(blocks.size),
                 "tokens_dropped": int(dropped),
                 "sources": stats,
-                "sha256": sha256_file(tmp / f"{split}.npy"),
+                "sha256": sha256_of(tmp / f"{split}.npy"),
             }
             log(f"{split}: {blocks.shape[0]} blocks x {block_length} tokens from "
                 + ", ".join(f"{n} {s['documents']} docs/{s['tokens']} tokens" for n, s in stats.items())

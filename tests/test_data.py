@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mla.cli import UserError, main
-from mla.data import build_dataset, in_validation, open_blocks, read_manifest, sha256_file
+from mla.data import build_dataset, in_validation, open_blocks, read_manifest
+from mla.sources import sha256_of
 
 BLOCK, TRAIN_CAP, VAL_CAP = 64, 30_000, 3_000
 
@@ -48,7 +49,7 @@ def test_block_counts_and_token_totals_match_manifest(built):
         assert s["tokens"] == blocks.size == sum(v["tokens"] for v in s["sources"].values())
         assert s["n_blocks"] == cap // BLOCK  # the caps are met exactly, only the tail is dropped
         assert s["tokens"] + s["tokens_dropped"] == sum(d["tokens"] for d in documents(built, split))
-        assert s["sha256"] == sha256_file(built / s["file"])
+        assert s["sha256"] == sha256_of(built / s["file"])
         # documents per source = documents that reach into the kept blocks
         kept = [d for d in documents(built, split) if d["offset"] < blocks.size]
         for name, stats in s["sources"].items():
