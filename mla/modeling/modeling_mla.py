@@ -52,20 +52,9 @@ class MLACache(DynamicCache):
     """Latent KV cache: per layer the latent c_kv [B, 1, T, n_kv·d_kv] and the RoPE'd keys [B, n_kv, T, 2r].
 
     Stored in the "key" and "value" slots of transformers' dynamic layers (latent first, so the sequence
-    length is read from it even when r = 0); nothing else is kept.
+    length is read from it even when r = 0); nothing else is kept. The attention writes the same layout
+    into any dynamic cache a caller passes; this class is what `generate()` builds.
     """
-
-    def update_latent(self, c_kv: torch.Tensor, k_rope: torch.Tensor, layer_idx: int):
-        latent, rope = self.update(c_kv.unsqueeze(1), k_rope, layer_idx)
-        return latent.squeeze(1), rope
-
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
 
 
 class MLAAttention(nn.Module):
@@ -133,12 +122,9 @@ class MLAAttention(nn.Module):
             k_rope = apply_rope(k_rope, cos, sin)
             q_rope = apply_rope(q_rope, cos.repeat_interleave(groups, dim=1), sin.repeat_interleave(groups, dim=1))
 
-        if cache is not None:
-            if isinstance(cache, MLACache):
-                c_kv, k_rope = cache.update_latent(c_kv, k_rope, self.layer_idx)
-            else:  # any other dynamic cache still stores only the latent
-                latent, k_rope = cache.update(c_kv.unsqueeze(1), k_rope, self.layer_idx)
-                c_kv = latent.squeeze(1)
+        if cache is not None:  # the cache stores only the latent and the RoPE'd keys
+            latent, k_rope = cache.update(c_kv.unsqueeze(1), k_rope, self.layer_idx)
+            c_kv = latent.squeeze(1)
 
         if q_len == 1 and self.config.absorb_decode:
             return self._absorbed(q_rope, q_nope, k_rope, c_kv, attention_mask), None
