@@ -132,7 +132,7 @@ def main() -> None:
         convert_checkpoint(base, mla_dir, d_kv=args.d_kv, strategy="high")
         data = work / "data"
         build_dataset("pydoc-stdlib", base, data, block_length=args.seq,
-                      max_train_tokens=args.seq * args.batch * (args.steps + 2), max_validation_tokens=args.seq,
+                      train_tokens=args.seq * args.batch * (args.steps + 2), validation_tokens=args.seq,
                       log=lambda *_: None)
         print(f"model {base} | batch {args.batch} x {args.seq} | fp32 | {args.threads} threads | "
               f"{args.steps} timed steps")

@@ -11,6 +11,7 @@ Every source writes to a temporary sibling folder and renames it into place when
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import shutil
@@ -149,14 +150,20 @@ def from_hub(repo_id: str, revision: str, out: Path) -> None:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a dependency of transformers
         raise UserError(f"huggingface_hub is needed for --source hub: {exc}") from None
+    # Through the Hugging Face cache (HF_HOME), not local_dir=: offline (HF_HUB_OFFLINE=1) huggingface_hub
+    # finds a pre-filled cache only that way, and several workflows share one download. The files are then
+    # hard-linked (copied across file systems) into the checkpoint folder.
+    try:
+        snapshot = Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
+                                          token=os.environ.get("HF_TOKEN") or None))
+    except Exception as exc:  # offline, unknown repo, gated model, wrong revision
+        raise UserError(f"cannot download {repo_id}@{revision} from the Hugging Face Hub "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+                        "check the network, the repo id, the revision and HF_TOKEN for gated models") from None
     with staged_output(out) as tmp:
-        try:
-            snapshot_download(repo_id=repo_id, revision=revision, local_dir=tmp, allow_patterns=HUB_PATTERNS,
-                              token=os.environ.get("HF_TOKEN") or None)
-        except Exception as exc:  # offline, unknown repo, gated model, wrong revision
-            raise UserError(f"cannot download {repo_id}@{revision} from the Hugging Face Hub "
-                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
-                            "check the network, the repo id, the revision and HF_TOKEN for gated models") from None
+        for f in snapshot.iterdir():
+            if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in HUB_PATTERNS):
+                checkpoint.link_or_copy(f.resolve(), tmp / f.name)
         shapes.check_family(shapes.read_config(tmp))
 
 

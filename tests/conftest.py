@@ -19,6 +19,16 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The tiny tests' real small tokenizer, saved as a folder (what `mla data --tokenizer` reads)."""
+    from mla.testing import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_mha_checkpoint(tmp_path_factory):
     from mla.testing import save_tiny_checkpoint
 

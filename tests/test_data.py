@@ -1,10 +1,12 @@
-"""`mla data`: packed blocks match the manifest; train/validation are disjoint by document; EOS kept."""
+"""`mla data`: packed blocks match the manifest; exact budgets and shares; train/validation disjoint by
+document; EOS kept; the mixture's real shares when a source runs dry; bad input named before any work."""
 
 from __future__ import annotations
 
 import csv
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,19 +19,10 @@ BLOCK, TRAIN_CAP, VAL_CAP = 64, 30_000, 3_000
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from mla.testing import tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def built(tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "pydoc"
     rc = main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(out), "--block-length", str(BLOCK),
-               "--max-tokens", str(TRAIN_CAP), "--max-validation-tokens", str(VAL_CAP)])
+               "--train-tokens", str(TRAIN_CAP), "--validation-tokens", str(VAL_CAP), "--workers", "2"])
     assert rc == 0
     return out
 
@@ -47,22 +40,29 @@ def test_block_counts_and_token_totals_match_manifest(built):
         assert blocks.shape == (s["n_blocks"], BLOCK)
         assert blocks.dtype == np.uint16
         assert s["tokens"] == blocks.size == sum(v["tokens"] for v in s["sources"].values())
-        assert s["n_blocks"] == cap // BLOCK  # the caps are met exactly, only the tail is dropped
-        assert s["tokens"] + s["tokens_dropped"] == sum(d["tokens"] for d in documents(built, split))
+        assert s["n_blocks"] == cap // BLOCK  # the budgets are met exactly, in whole blocks
+        assert s["tokens_dropped"] == 0
+        assert s["tokens"] == sum(d["tokens"] for d in documents(built, split))
         assert s["sha256"] == sha256_of(built / s["file"])
+        assert s["documents_sha256"] == sha256_of(built / s["documents_file"])
         # documents per source = documents that reach into the kept blocks
         kept = [d for d in documents(built, split) if d["offset"] < blocks.size]
         for name, stats in s["sources"].items():
             assert stats["documents"] == sum(d["source"] == name for d in kept)
-    # mixture weights 0.7 / 0.3 of the training cap, up to the dropped tail
-    src = m["splits"]["train"]["sources"]
-    assert abs(src["pydoc-topics"]["tokens"] - 0.7 * TRAIN_CAP) <= BLOCK
-    assert abs(src["python-stdlib"]["tokens"] - 0.3 * TRAIN_CAP) <= BLOCK
+    # mixture weights 0.7 / 0.3 of each split's tokens, to the token (the last document of a source is cut)
+    for split in ("train", "validation"):
+        s = m["splits"][split]
+        src = s["sources"]
+        assert abs(src["python-docs"]["tokens"] - 0.7 * s["tokens"]) <= 1
+        assert abs(src["python-stdlib"]["tokens"] - 0.3 * s["tokens"]) <= 1
+        assert src["python-docs"]["configured_share"] == 0.7 and not src["python-docs"]["ran_dry"]
+    assert m["warnings"] == []
 
 
 def test_documents_are_tokenized_text_followed_by_eos(built, tokenizer_dir):
-    from pydoc_data.topics import topics
     from transformers import AutoTokenizer
+
+    from mla.data.readers import PYTHON_DOCS_ROOT
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     m = read_manifest(built)
@@ -73,11 +73,14 @@ def test_documents_are_tokenized_text_followed_by_eos(built, tokenizer_dir):
     # every complete document ends with EOS, and EOS appears nowhere else
     assert int((stream == eos).sum()) == len(whole)
     assert all(stream[d["offset"] + d["tokens"] - 1] == eos for d in whole)
-    # a pydoc topic that was not cut: exactly its tokenization + EOS
-    d = next(d for d in whole if d["source"] == "pydoc-topics"
-             and d["tokens"] == len(tok(topics[d["key"]], add_special_tokens=False)["input_ids"]) + 1)
-    expected = tok(topics[d["key"]], add_special_tokens=False)["input_ids"] + [eos]
-    assert stream[d["offset"]:d["offset"] + d["tokens"]].tolist() == expected
+    # every document of the Python docs is its file's tokenization + EOS (the last one of the source cut, EOS kept)
+    prose = [d for d in whole if d["source"] == "python-docs"]
+    assert len(prose) >= 2
+    for d in prose:
+        text = Path(PYTHON_DOCS_ROOT, d["key"]).read_text(encoding="utf-8")
+        expected = tok(text, add_special_tokens=False)["input_ids"] + [eos]
+        got = stream[d["offset"]:d["offset"] + d["tokens"]].tolist()
+        assert got == expected or (d is prose[-1] and got == expected[:d["tokens"] - 1] + [eos])
 
 
 def test_validation_and_training_documents_are_disjoint(built):
@@ -101,12 +104,12 @@ def test_validation_and_training_documents_are_disjoint(built):
 
 
 def test_rerun_is_a_no_op_and_a_different_request_needs_force(built, tokenizer_dir, capsys):
-    before = (built / "train.npy").stat().st_mtime_ns
+    before = (built / "train.bin").stat().st_mtime_ns
     args = ["data", "--tokenizer", str(tokenizer_dir), "--out", str(built), "--block-length", str(BLOCK),
-            "--max-tokens", str(TRAIN_CAP), "--max-validation-tokens", str(VAL_CAP)]
+            "--train-tokens", str(TRAIN_CAP), "--validation-tokens", str(VAL_CAP)]
     assert main(args) == 0
     assert "up to date" in capsys.readouterr().out
-    assert (built / "train.npy").stat().st_mtime_ns == before
+    assert (built / "train.bin").stat().st_mtime_ns == before
     args[args.index("--block-length") + 1] = "32"
     assert main(args) == 2
     assert "different request" in capsys.readouterr().err
@@ -114,19 +117,20 @@ def test_rerun_is_a_no_op_and_a_different_request_needs_force(built, tokenizer_d
 
 
 def test_failed_build_leaves_no_output(tokenizer_dir, tmp_path):
+    corpus = _text_corpus(tmp_path / "texts", {"notes": 40})
     out = tmp_path / "data"
     # one held-out document in a million: the validation split cannot fill a block, after train was written
     with pytest.raises(UserError, match="validation split has fewer than"):
-        build_dataset("pydoc-stdlib", tokenizer_dir, out, block_length=BLOCK, max_train_tokens=2_000,
-                      max_validation_tokens=BLOCK, validation_fraction=1e-6, log=lambda *_: None)
-    assert list(tmp_path.iterdir()) == []
+        build_dataset(str(corpus), tokenizer_dir, out, block_length=BLOCK, train_tokens=2_000,
+                      validation_tokens=BLOCK, validation_fraction=1e-6, workers=1, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == [tmp_path / "texts"]
 
 
 def test_hub_mixture_fails_offline_with_a_clear_message(tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(UserError, match="smollm-corpus.*Hub"):
-        build_dataset("smollm", tokenizer_dir, tmp_path / "hub", block_length=BLOCK, max_train_tokens=10_000,
+        build_dataset("smollm", tokenizer_dir, tmp_path / "hub", block_length=BLOCK, train_tokens=10_000,
                       log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []
 
@@ -135,7 +139,7 @@ def test_bad_inputs_are_named(tokenizer_dir, tmp_path, built):
     with pytest.raises(UserError, match="unknown corpus 'nope'"):
         build_dataset("nope", tokenizer_dir, tmp_path / "x")
     with pytest.raises(UserError, match="smaller than one block"):
-        build_dataset("pydoc-stdlib", tokenizer_dir, tmp_path / "x", block_length=128, max_train_tokens=100)
+        build_dataset("pydoc-stdlib", tokenizer_dir, tmp_path / "x", block_length=128, train_tokens=100)
     with pytest.raises(UserError, match="unknown split"):
         open_blocks(built, "test")
     with pytest.raises(UserError, match="no manifest.json"):
@@ -151,7 +155,7 @@ def test_corpus_file_with_local_text_files(tokenizer_dir, tmp_path):
     corpus.write_text(f"name: mine\nsources:\n  - name: notes\n    weight: 1\n    kind: text_files\n"
                       f"    root: {texts}\n    glob: '*.txt'\n")
     m = build_dataset(str(corpus), tokenizer_dir, tmp_path / "out", block_length=32, validation_fraction=0.25,
-                      log=lambda *_: None)
+                      validation_tokens=None, workers=1, log=lambda *_: None)
     n_val_docs = sum(in_validation("notes", f"doc{i}.txt", 0.25) for i in range(40))
     assert m["corpus"] == "mine"
     assert 0 < n_val_docs < 40
@@ -164,10 +168,140 @@ def test_corpus_file_with_local_text_files(tokenizer_dir, tmp_path):
 def test_weight_overrides(tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "w"
     assert main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(out), "--block-length", "32",
-                 "--max-tokens", "3200", "--max-validation-tokens", "320", "--weight", "python-stdlib=3",
-                 "--weight", "pydoc-topics=1"]) == 0
+                 "--train-tokens", "3200", "--validation-tokens", "320", "--weight", "python-stdlib=3",
+                 "--weight", "python-docs=1", "--workers", "1"]) == 0
     src = read_manifest(out)["splits"]["train"]["sources"]
-    assert abs(src["python-stdlib"]["tokens"] - 0.75 * 3200) <= 32
+    assert src["python-stdlib"]["tokens"] == 0.75 * 3200
     assert main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "v"),
                  "--weight", "fineweb=1"]) == 2
     assert "unknown source(s) ['fineweb']" in capsys.readouterr().err
+
+
+# -- the mixture: exact shares, dry sources, worker-count independence ------------------------------------
+
+def test_split_plan_quotas_and_a_dry_source():
+    from mla.data.mix import SplitPlan, allocate
+
+    assert allocate(10, [0.7, 0.2, 0.1]) == [7, 2, 1]
+    assert sum(allocate(12_582_912_000, [0.70, 0.15, 0.08, 0.06, 0.01])) == 12_582_912_000
+    plan = SplitPlan(["a", "b", "c"], [0.5, 0.3, 0.2], 1000)
+    assert plan.quota == [500, 300, 200]
+    order = []
+    for _ in range(6):  # equal documents of 50 tokens: always the source furthest below its quota
+        i = plan.next_source()
+        order.append(plan.names[i])
+        plan.record(i, 50)
+    assert order == ["a", "b", "c", "a", "b", "a"]  # filled fractions then: a 0.3, b 0.33, c 0.25
+    plan.mark_dry(2)  # c stops at 50 of 200: a and b share its 150 by weight (5:3)
+    assert plan.quota == [500 + 94, 300 + 56, 50] and sum(plan.quota) == 1000
+    assert plan.next_source() != 2
+    shares = plan.shares()
+    assert shares["c"]["ran_dry"] and shares["c"]["configured_share"] == 0.2
+
+
+def _text_corpus(tmp_path, sizes: dict[str, int], words: int = 60) -> Path:
+    """A corpus file with one text_files source per entry: `n` documents of `words` words each."""
+    tmp_path.mkdir(exist_ok=True)
+    lines = ["name: texts", "sources:"]
+    for name, n in sizes.items():
+        root = tmp_path / name
+        root.mkdir()
+        for i in range(n):
+            (root / f"{i:04d}.txt").write_text(" ".join(f"{name}{(i * 7 + j) % 97}" for j in range(words)) + ".\n")
+        lines += [f"  - name: {name}", f"    weight: 1", "    kind: text_files",
+                  f"    root: {root}"]
+    corpus = tmp_path / "corpus.yaml"
+    corpus.write_text("\n".join(lines) + "\n")
+    return corpus
+
+
+def test_a_source_that_runs_dry_is_reported_and_the_others_fill_the_budget(tokenizer_dir, tmp_path):
+    corpus = _text_corpus(tmp_path, {"big": 300, "small": 4})
+    logged = []
+    m = build_dataset(str(corpus), tokenizer_dir, tmp_path / "out", block_length=32, train_tokens=8_000,
+                      validation_tokens=None, validation_fraction=0.1, workers=2, log=logged.append)
+    train = m["splits"]["train"]
+    small = train["sources"]["small"]
+    assert train["tokens"] == 8_000 // 32 * 32            # the budget is still met, by the other source
+    assert small["ran_dry"] and small["configured_share"] == 0.5
+    assert small["tokens"] == sum(d["tokens"] for d in documents(tmp_path / "out", "train") if d["source"] == "small")
+    assert small["share"] == pytest.approx(small["tokens"] / train["tokens"], abs=1e-6) and small["share"] < 0.35
+    assert any("small" in w and "ran dry" in w for w in m["warnings"])
+    assert any(line.startswith("warning:") and "small" in line for line in logged)
+    # no budget: the split stops when its first source runs dry (here: small has at most a few held-out documents)
+    val = m["splits"]["validation"]
+    assert val["budget_tokens"] is None and val["sources"]["small"]["ran_dry"]
+
+
+def test_output_does_not_depend_on_the_number_of_workers(tokenizer_dir, tmp_path):
+    hashes = []
+    for workers in (1, 2):
+        m = build_dataset("pydoc-stdlib", tokenizer_dir, tmp_path / f"w{workers}", block_length=BLOCK,
+                          train_tokens=20_000, validation_tokens=2_000, workers=workers, log=lambda *_: None)
+        assert m["workers"] == workers
+        hashes.append((m["splits"]["train"]["sha256"], m["splits"]["validation"]["sha256"],
+                       (tmp_path / f"w{workers}" / "documents-train.tsv").read_bytes()))
+    assert hashes[0] == hashes[1]
+
+
+def test_open_blocks_is_a_read_only_memory_map(built):
+    blocks = open_blocks(built, "train")
+    assert isinstance(blocks, np.memmap) and not blocks.flags.writeable
+    assert len(blocks) == blocks.shape[0] and blocks[3].shape == (BLOCK,) and blocks[2:5].shape == (3, BLOCK)
+
+
+# -- bad input: one line naming the file / flag, before any work -----------------------------------------
+
+def test_bad_corpus_files_and_block_length_are_named(tokenizer_dir, tmp_path):
+    def corpus(text):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        return str(path)
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(UserError, match=f"source 'notes' \\(text_files\\): folder {missing} does not exist"):
+        build_dataset(corpus(f"sources: [{{name: notes, weight: 1, kind: text_files, root: {missing}}}]"),
+                      tokenizer_dir, tmp_path / "x")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="source 'notes' \\(text_files\\): no documents under"):
+        build_dataset(corpus(f"sources: [{{name: notes, weight: 1, kind: text_files, root: {tmp_path / 'empty'}}}]"),
+                      tokenizer_dir, tmp_path / "x")
+    with pytest.raises(UserError, match="install Debian's python3.11-doc"):
+        build_dataset(corpus(f"sources: [{{name: docs, weight: 1, kind: python_docs, root: {missing}}}]"),
+                      tokenizer_dir, tmp_path / "x")
+    with pytest.raises(UserError, match="corpus file .*c.yaml: expected a mapping"):
+        build_dataset(corpus("just a string"), tokenizer_dir, tmp_path / "x")
+    # a block longer than the model's context, read from the checkpoint's config.json
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tokenizer_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    with pytest.raises(UserError, match="--block-length 512 exceeds the model's context: max_position_embeddings "
+                                        "256 in .*config.json"):
+        build_dataset("pydoc-stdlib", model, tmp_path / "x", block_length=512, train_tokens=4096)
+    with pytest.raises(UserError, match="--train-tokens is required"):
+        build_dataset("smollm", model, tmp_path / "x", block_length=64, train_tokens=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "empty", "model"]  # nothing was written
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_default_config_gets_its_validation_budget_at_70_30(smollm2_dir, tmp_path):
+    """config.yaml's data with the real SmolLM2 tokenizer: the held-out split holds data.validation_tokens in the
+    configured shares (enough held-out prose at data.validation_fraction), and train what the experiments need."""
+    import yaml
+
+    from mla import budgets
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())
+    d = config["data"]
+    model = next(iter(config["experiments"].values()))["model"]
+    m = build_dataset(d["corpus"], smollm2_dir, tmp_path / "data", block_length=d["block_length"],
+                      train_tokens=budgets.train_tokens(config, model), validation_tokens=d["validation_tokens"],
+                      validation_fraction=d["validation_fraction"], workers=2, log=lambda *_: None)
+    assert m["warnings"] == []
+    val = m["splits"]["validation"]
+    assert val["tokens"] == d["validation_tokens"] // d["block_length"] * d["block_length"] >= 65536
+    assert val["sources"]["python-docs"]["tokens"] == pytest.approx(0.7 * val["tokens"], abs=1)
+    assert m["splits"]["train"]["tokens"] >= budgets.train_tokens(config, model)

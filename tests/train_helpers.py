@@ -25,8 +25,8 @@ def train_inputs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train")
     save_tiny_checkpoint(root / "llama")
     convert_checkpoint(root / "llama", root / "mla", d_kv=8, strategy="high")
-    build_dataset("pydoc-stdlib", root / "llama", root / "data", block_length=BLOCK, max_train_tokens=4096,
-                  max_validation_tokens=256, log=lambda *_: None)
+    build_dataset("pydoc-stdlib", root / "llama", root / "data", block_length=BLOCK, train_tokens=4096,
+                  validation_tokens=256, log=lambda *_: None)
     return root
 
 
@@ -46,16 +46,20 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
-                 clip: float = 1.0, weight_decay: float = 0.01, seed: int = 42) -> list[float]:
-    """The reference: one process, the whole global batch per step, same data order, AdamW and schedule."""
+                 clip: float = 1.0, weight_decay: float = 0.01, seed: int = 42, model_dir: str = "mla",
+                 groups: bool = True, return_model: bool = False):
+    """The reference: one process, the whole global batch per step, same data order, AdamW (with the
+    recipe's parameter groups unless groups=False: then decay on everything) and schedule."""
     from mla.checkpoint import load_model
     from mla.data import open_blocks
+    from mla.training.optimizer import parameter_groups
     from mla.training.schedule import warmup_constant_sqrt_decay
     from mla.training.trainer import BlockDataset
 
-    model = load_model(root / "mla").train()
+    model = load_model(root / model_dir).train()
     data = BlockDataset(open_blocks(root / "data"), steps * global_batch, seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    params = parameter_groups(model, weight_decay) if groups else model.parameters()
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
     sched = warmup_constant_sqrt_decay(opt, steps, warmup, decay)
     losses = []
     for step in range(steps):
@@ -68,4 +72,16 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return (losses, model) if return_model else losses
+
+
+def loaded_shares(log: str) -> dict[int, tuple[int, int, int, int, str]]:
+    """rank -> (held, total, local, not partitioned, node) from `mla train`'s "holds ... after loading" lines."""
+    import re
+
+    found = {}
+    for m in re.finditer(r"rank (\d+) on (\S+) holds ([\d,]+) of ([\d,]+) parameter elements after loading "
+                         r"\(([\d,]+) in local tensors, (\d+) parameters not partitioned\)", log):
+        counts = tuple(int(g.replace(",", "")) for g in m.groups()[2:])
+        found[int(m.group(1))] = (*counts, m.group(2))
+    return found

@@ -1,4 +1,5 @@
-# Text sources -> tokenized, packed token blocks (train / validation), once per tokenizer.
+# Text sources -> tokenized, packed token blocks (train / validation), once per tokenizer. The token budgets
+# follow from the experiments (mla.budgets); an interrupted job resumes from its last checkpoint on rerun.
 
 
 rule data:
@@ -14,6 +15,6 @@ rule data:
         "logs/data/{model}.log",
     benchmark:
         "benchmarks/data/{model}.tsv"
-    threads: 1
+    threads: 8  # tokenizer processes; capped by --cores locally, set-threads in a cluster profile
     shell:
-        "{MLA} data --tokenizer {input.tokenizer} {params.args} --out {output} > {log} 2>&1"
+        "{MLA} data --tokenizer {input.tokenizer} {params.args} --workers {threads} --out {output} > {log} 2>&1"
