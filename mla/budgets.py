@@ -1,0 +1,98 @@
+"""Token budgets that follow from the experiments of a validated workflow config.
+
+The tokens a model's data must hold are not a free knob: every fine-tuning run reads
+`steps x batch_size x block_length` training tokens (it never repeats a block), and calibration reads
+`calibrate.samples` training blocks. Derived models (`source: mha-from-gqa`) use their root model's
+tokenizer and therefore its data, so the budget of one data folder is the largest need over every
+experiment whose model has that root. `data.max_tokens` is only a cap (null = none): a config whose
+cap is below a need is refused before any job runs.
+
+Pure arithmetic on the config dict after schema validation (defaults filled); no I/O. The Snakefile's
+config check calls `budget_errors`; the data rule passes `train_tokens` / `validation_tokens` to
+`mla data --train-tokens/--validation-tokens`.
+"""
+
+from __future__ import annotations
+
+DEFAULT_VALIDATION_TOKENS = 65536  # used only when the config has no data.validation_tokens key
+
+
+def root_model(config: dict, model: str) -> str:
+    """The model whose tokenizer (and data) `model` uses: derived models share their parent's."""
+    models = config["models"]
+    seen = set()
+    while models[model]["source"] == "mha-from-gqa" and model not in seen:
+        seen.add(model)
+        model = models[model]["from"]
+    return model
+
+
+def block_length(config: dict, model: str) -> int:
+    """Tokens per block of `model`'s data: the root model's own block length, else data.block_length."""
+    return int(config["models"][root_model(config, model)].get("block_length", config["data"]["block_length"]))
+
+
+def variants(experiment: dict) -> list[str]:
+    """Variant names of one experiment (as the workflow names them)."""
+    names = [f"dkv{int(d)}" for d in sorted(experiment["d_kv"])]
+    return names + (["baseline"] if experiment.get("baseline", True) else [])
+
+
+def train_settings(config: dict, experiment: str, variant: str) -> dict:
+    """Global train recipe < experiment's `train` < the variant's overrides (steps, lr)."""
+    exp = config["experiments"][experiment]
+    over = exp.get("overrides", {}).get(variant, {})
+    return dict(config["train"], **exp.get("train", {}), **{k: over[k] for k in ("steps", "lr") if k in over})
+
+
+def needs(config: dict, model: str) -> list[tuple[int, str]]:
+    """Every training-token need of `model`'s data, as (tokens, why) pairs."""
+    root = root_model(config, model)
+    length = block_length(config, root)
+    out, calibrated = [], False
+    for ename, exp in config["experiments"].items():
+        if exp["model"] not in config["models"] or root_model(config, exp["model"]) != root:
+            continue
+        for variant in variants(exp):
+            t = train_settings(config, ename, variant)
+            out.append((t["steps"] * t["batch_size"] * length,
+                        f"experiments.{ename} {variant}: {t['steps']} steps x {t['batch_size']} sequences"
+                        f" x {length} tokens"))
+            strategy = exp.get("overrides", {}).get(variant, {}).get("rope_strategy", exp.get("rope_strategy"))
+            calibrated |= variant != "baseline" and strategy == "2-norm"
+    if calibrated:  # 2-norm calibration reads calibrate.samples training blocks
+        samples = config["calibrate"]["samples"]
+        out.append((samples * length, f"calibrate.samples: {samples} blocks x {length} tokens"))
+    return out
+
+
+def train_tokens(config: dict, model: str) -> int:
+    """Training tokens `model`'s data must hold: the largest need over its experiments and calibration.
+
+    A model no experiment uses (only a parent of a derived model, say) gets its derived models' needs;
+    with no experiment at all the answer is 0.
+    """
+    return max((tokens for tokens, _ in needs(config, model)), default=0)
+
+
+def validation_tokens(config: dict, model: str) -> int:
+    """Held-out tokens of `model`'s data: the configured budget (one value for every model)."""
+    value = config["data"].get("validation_tokens", DEFAULT_VALIDATION_TOKENS)
+    return int(value if value is not None else DEFAULT_VALIDATION_TOKENS)
+
+
+def budget_errors(config: dict) -> list[tuple[str, str]]:
+    """(config key, message) for every data folder whose need exceeds the `data.max_tokens` cap."""
+    cap = config["data"].get("max_tokens")
+    if cap is None:
+        return []
+    errors = []
+    roots = dict.fromkeys(root_model(config, e["model"]) for e in config["experiments"].values()
+                          if e["model"] in config["models"])
+    for root in roots:
+        tokens, why = max(needs(config, root), key=lambda need: need[0], default=(0, ""))
+        if tokens > cap:
+            errors.append(("data.max_tokens",
+                           f"{cap:,} is below the {tokens:,} training tokens that model '{root}' needs"
+                           f" ({why}); raise the cap or set it to null"))
+    return errors

@@ -1,0 +1,328 @@
+"""Offline rehearsal of `configs/paper.yaml`: the paper's DAG at tiny size, with only locations swapped.
+
+`scripts/paper-rehearsal DIR` (= `python -m mla.rehearsal DIR`) does it all:
+
+1. Stand-ins under DIR for what lives on the Hugging Face Hub (everything else is the real thing):
+   - `DIR/hf`: a pre-filled Hugging Face cache (`HF_HOME`, the hub cache layout: `hub/models--<org>--<name>/`
+     with `blobs/`, `snapshots/<sha>/` links and `refs/<branch>`) holding tiny random Llamas under the paper's
+     repo ids at the paper's revisions: MHA under Llama-2-7B, GQA under SmolLM-135M, saved in the dtype of
+     the real repository, each with a small real tokenizer. `mla download --source hub` reads them with
+     `HF_HUB_OFFLINE=1` through huggingface_hub's own cache lookup.
+   - `DIR/datasets`: the smollm mixture in its real schema (slice A's `mla.data.mirror.write_smollm_mirror`;
+     `MLA_HUB_DATASETS_MIRROR`, `MLA_SWH_CONTENT_URL`).
+   - `DIR/lm-eval`: a few rows of each of the paper's six lm-eval tasks in their schema (slice C's
+     `mla.evaluation.harness.write_local_task_data`; `MLA_LM_EVAL_DATA`).
+2. A copy of the workflow (Snakefile, workflow/, configs/) in DIR, run there with
+   `--configfile configs/paper.yaml configs/paper-rehearsal.yaml` (the overlay changes sizes only).
+3. Checks of the outputs: every evaluation, table and figure; the paper tasks scored (numbers, not
+   "skipped"); training with the paper's process count > 1, bf16, gradient accumulation and ZeRO stage;
+   data holding exactly the budgets of `mla.budgets`. Any failure: exit status 1 and the reasons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = "configs/paper.yaml"
+OVERLAY = "configs/paper-rehearsal.yaml"
+WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "configs")
+
+# dtype each real repository stores its weights in (Llama-2-7b-hf: fp16 shards; SmolLM-135M: 269 MB of bf16)
+HUB_DTYPES = {"meta-llama/Llama-2-7b-hf": "float16", "HuggingFaceTB/SmolLM-135M": "bfloat16"}
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+DOCS_PER_SOURCE = 64     # documents per smollm source in the mirror: more than the tiny budgets read
+SMOLLM_SOURCES = ("fineweb-edu-dedup", "cosmopedia-v2", "python-edu", "open-web-math", "stackoverflow-clean")
+ROWS_PER_TASK = 8        # rows per lm-eval task (evaluate.paper_limit reads at most that many)
+
+
+# ---------------------------------------------------------------- stand-in: the Hugging Face cache
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def write_hub_cache(hub_cache: Path, repo_id: str, revision: str, files: Path) -> Path:
+    """Put the files of folder `files` into `hub_cache` as repo `repo_id` at `revision`; return the snapshot.
+
+    The layout is huggingface_hub's: content-addressed `blobs/` (sha256 for weights, git sha1 otherwise, like
+    the Hub's etags), `snapshots/<commit>/<file>` as relative links to them, and `refs/<revision>` naming the
+    commit when `revision` is a branch or tag (a commit hash names its snapshot directly).
+    """
+    repo = hub_cache / ("models--" + repo_id.replace("/", "--"))
+    is_commit = len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+    contents = {p.name: p.read_bytes() for p in sorted(files.iterdir()) if p.is_file()}
+    commit = revision if is_commit else hashlib.sha1(
+        b"".join(name.encode() + _git_blob_sha1(data).encode() for name, data in contents.items())).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for name, data in contents.items():
+        etag = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else _git_blob_sha1(data)
+        (repo / "blobs" / etag).write_bytes(data)
+        link = snapshot / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path("..") / ".." / "blobs" / etag)
+    (repo / "refs").mkdir(exist_ok=True)
+    if not is_commit:
+        (repo / "refs" / revision).write_text(commit)
+    return snapshot
+
+
+def tiny_hub_model(out: Path, *, num_kv_heads: int, dtype: str, seed: int) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, 4 query heads) with a real small tokenizer, in `dtype`."""
+    import torch
+
+    from mla import testing
+
+    model = testing.tiny_llama(num_kv_heads=num_kv_heads, seed=seed, **TINY)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    testing.tiny_tokenizer(model.config.vocab_size).save_pretrained(out)
+    return out
+
+
+def write_model_cache(hf_home: Path, paper: dict, work: Path) -> dict[str, Path]:
+    """Every Hub model of the paper config as a tiny stand-in in `hf_home`; MHA where the repo is Llama-2."""
+    snapshots = {}
+    for i, (name, model) in enumerate(sorted(paper["models"].items())):
+        if model["source"] != "hub":
+            continue
+        repo_id, revision = model["repo_id"], model.get("revision", "main")
+        # Llama-2-7B is MHA (32 K/V heads for 32 query heads); the others here are GQA like SmolLM-135M
+        kv_heads = TINY["num_attention_heads"] if "Llama-2" in repo_id else TINY["num_attention_heads"] // 2
+        files = tiny_hub_model(work / name, num_kv_heads=kv_heads, dtype=HUB_DTYPES.get(repo_id, "float32"), seed=i)
+        snapshots[name] = write_hub_cache(hf_home / "hub", repo_id, revision, files)
+        shutil.rmtree(files)
+    return snapshots
+
+
+# ---------------------------------------------------------------- the configuration as the workflow sees it
+def load_config(*paths: str | Path) -> dict:
+    """Config files merged in order as Snakemake merges several --configfile, then validated."""
+    from snakemake.utils import update_config
+
+    cfg: dict = {}
+    for path in paths:
+        update_config(cfg, yaml.safe_load(Path(path).read_text()) or {})
+    return validated(cfg)
+
+
+def validated(cfg: dict) -> dict:
+    """A copy of `cfg` checked against the workflow's schema with its defaults filled in (as check_config)."""
+    import copy
+
+    import jsonschema
+
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+    base = jsonschema.Draft202012Validator
+    check_properties = base.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, subschema):
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, props, instance, subschema)
+
+    cfg = copy.deepcopy(cfg)
+    jsonschema.validators.extend(base, {"properties": properties})(schema).validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- stand-ins and workflow copy
+def prepare(workdir: Path, *, log=print) -> dict[str, str]:
+    """Build every offline stand-in under `workdir`; return the environment the workflow runs with."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker = workdir / "stand-ins.json"
+    if marker.is_file():
+        log(f"stand-ins: reusing {marker}")
+        return json.loads(marker.read_text())
+    paper = yaml.safe_load((ROOT / PAPER).read_text())
+    env = {"HF_HOME": str(workdir / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=workdir) as build:
+        write_model_cache(workdir / "hf", paper, Path(build))
+    log(f"stand-ins: Hugging Face cache with {', '.join(m['repo_id'] for m in paper['models'].values() if m['source'] == 'hub')}"
+        f" ({time.perf_counter() - t0:.1f} s)")
+    from mla.data.mirror import write_smollm_mirror
+    from mla.evaluation.harness import write_local_task_data
+
+    t0 = time.perf_counter()
+    env.update({k: str(v) for k, v in write_smollm_mirror(workdir / "datasets", docs_per_source=DOCS_PER_SOURCE).items()})
+    log(f"stand-ins: smollm mixture mirror ({time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    env.update({k: str(v) for k, v in write_local_task_data(workdir / "lm-eval", rows_per_task=ROWS_PER_TASK).items()})
+    log(f"stand-ins: lm-eval task rows ({time.perf_counter() - t0:.1f} s)")
+    marker.write_text(json.dumps(env, indent=2) + "\n")
+    return env
+
+
+def copy_workflow(workdir: Path) -> None:
+    """The workflow's files (not the package: jobs run the installed `mla`) into `workdir`."""
+    for name in WORKFLOW_FILES:
+        src, dst = ROOT / name, workdir / name
+        if src.is_dir():
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dst)
+
+
+# One core per job (tiny models gain nothing from two threads), so two jobs overlap on a 2-core machine;
+# training keeps its `threads: 2`, one per process. Later --set-threads arguments override these.
+ONE_THREAD = ("download", "data", "calibrate", "convert", "evaluate")
+
+
+def run_workflow(workdir: Path, env: dict[str, str], extra: list[str], *, log=print) -> int:
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "all", "--show-failed-logs",
+           "--set-threads", *(f"{rule}=1" for rule in ONE_THREAD), *extra, "--configfile", PAPER, OVERLAY]
+    log(f"rehearsal: cd {workdir} && {' '.join(f'{k}={v}' for k, v in env.items())} {' '.join(cmd)}")
+    return subprocess.call(cmd, cwd=workdir, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env})
+
+
+# ---------------------------------------------------------------- checks of the outputs
+def _number(text) -> float | None:
+    """A table cell as a number ('0.25', '0.25 ± 0.03'); None for anything else ('skipped', '')."""
+    try:
+        value = float(str(text).split("±")[0].strip())
+    except ValueError:
+        return None
+    return value if value == value else None  # NaN is not a score
+
+
+def check_outputs(workdir: Path) -> list[str]:
+    """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
+    import csv
+
+    from mla import budgets, paper_numbers
+
+    cfg = load_config(workdir / PAPER, workdir / OVERLAY)
+    res = workdir / "results"
+    problems = []
+
+    def load_json(path: Path) -> dict | None:
+        if not path.is_file():
+            problems.append(f"{path.relative_to(workdir)}: missing")
+            return None
+        return json.loads(path.read_text())
+
+    for name, model in cfg["models"].items():  # the stand-ins' attention kind came through the cache
+        c = load_json(res / "models" / name / "config.json")
+        if c and model["source"] == "hub":
+            mha = c["num_key_value_heads"] == c["num_attention_heads"]
+            if mha != ("Llama-2" in model["repo_id"]):
+                problems.append(f"results/models/{name}: num_key_value_heads {c['num_key_value_heads']} "
+                                f"for {c['num_attention_heads']} heads; expected {'MHA' if not mha else 'GQA'}")
+    for root in dict.fromkeys(budgets.root_model(cfg, e["model"]) for e in cfg["experiments"].values()):
+        m = load_json(res / "data" / root / "manifest.json")
+        if not m:
+            continue
+        length = budgets.block_length(cfg, root)
+        want = {"train": budgets.train_tokens(cfg, root),
+                "validation": budgets.validation_tokens(cfg, root) // length * length}
+        if m.get("block_length") != length:
+            problems.append(f"results/data/{root}: block_length {m.get('block_length')}, configured {length}")
+        for split, tokens in want.items():
+            got = m["splits"][split]["tokens"]
+            if got != tokens:
+                problems.append(f"results/data/{root}: {split} holds {got} tokens, the budget is {tokens}")
+        # the mixture path ran: every source of the smollm corpus (python-edu via blob fetches) gave tokens
+        sources = m["splits"]["train"].get("sources", {})
+        empty = [name for name, s in sources.items() if not s.get("tokens")]
+        if len(sources) != len(SMOLLM_SOURCES) or empty:
+            problems.append(f"results/data/{root}: train sources {sorted(sources)}, without tokens {empty}; "
+                            f"expected the {len(SMOLLM_SOURCES)} sources of the smollm mixture")
+    for ename, exp in cfg["experiments"].items():
+        variants = budgets.variants(exp)
+        for variant in variants:
+            t = budgets.train_settings(cfg, ename, variant)
+            run = load_json(res / "finetune" / ename / variant / "run.json")
+            if not run:
+                continue
+            accum = t["batch_size"] // (t["micro_batch_size"] * t["nproc"])
+            got = {"processes": run["world_size"], "precision": run["precision"],
+                   "accumulation": run["config"].get("grad_accum"), "zero_stage": run["config"].get("zero_stage"),
+                   "steps": run["steps"]}
+            want = {"processes": t["nproc"], "precision": t["precision"], "accumulation": accum,
+                    "zero_stage": t["zero_stage"], "steps": t["steps"]}
+            for key in want:
+                if got[key] != want[key]:
+                    problems.append(f"results/finetune/{ename}/{variant}/run.json: {key} {got[key]}, configured {want[key]}")
+            if run.get("train_loss") is None:
+                problems.append(f"results/finetune/{ename}/{variant}/run.json: no finite training loss")
+        for d in exp["d_kv"]:
+            conv = load_json(res / "convert" / ename / f"dkv{d}" / "conversion.json")
+            if conv and (conv.get("d_kv"), conv.get("rope_strategy"), conv.get("svd")) != (d, exp["rope_strategy"], exp["svd"]):
+                problems.append(f"results/convert/{ename}/dkv{d}/conversion.json: d_kv {conv.get('d_kv')}, "
+                                f"{conv.get('rope_strategy')}, {conv.get('svd')}; configured {d}, "
+                                f"{exp['rope_strategy']}, {exp['svd']}")
+        evaluated = (["original"] if cfg["evaluate"]["original"] else []) + variants
+        for variant in evaluated:
+            ev = load_json(res / "evaluate" / ename / variant / "eval.json")
+            if not ev:
+                continue
+            paper = (ev.get("benchmarks") or {}).get("paper") or {}
+            scores = paper.get("scores") or {}
+            bad = [t for t in paper_numbers.TASKS if _number(scores.get(t)) is None]
+            if paper.get("status") != "ok" or bad:
+                problems.append(f"results/evaluate/{ename}/{variant}/eval.json: paper tasks {paper.get('status')}"
+                                f" ({paper.get('reason') or 'no score for ' + ', '.join(bad)})")
+        table = res / "tables" / f"{ename}.csv"
+        if not table.is_file() or not (res / "tables" / f"{ename}.md").is_file():
+            problems.append(f"results/tables/{ename}.csv/.md: missing")
+            continue
+        rows = list(csv.DictReader(table.open()))
+        if len(rows) != len(evaluated):
+            problems.append(f"{table.relative_to(workdir)}: {len(rows)} rows, expected {len(evaluated)}")
+        for task in paper_numbers.TASKS:
+            title = paper_numbers.TASK_TITLES[task]
+            column = next((h for h in (rows[0] if rows else {}) if h.split(" ±")[0].split(" (")[0] == title
+                           and "(paper)" not in h and not h.startswith("Δ")), None)
+            if column is None:
+                problems.append(f"{table.relative_to(workdir)}: no column {title}")
+            elif any(_number(r[column]) is None for r in rows):
+                problems.append(f"{table.relative_to(workdir)}: column {column} is not a number in every row "
+                                f"({[r[column] for r in rows]})")
+    for name, magic in (("loss.png", b"\x89PNG"), ("loss.pdf", b"%PDF")):
+        path = res / "figures" / name
+        if not path.is_file() or not path.read_bytes().startswith(magic):
+            problems.append(f"results/figures/{name}: missing or not a {name[-3:].upper()} file")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/paper-rehearsal", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", help="work folder: stand-ins, the workflow copy and its results")
+    parser.add_argument("snakemake_args", nargs=argparse.REMAINDER,
+                        help="extra Snakemake arguments (after the folder), e.g. --cores 2")
+    args = parser.parse_args(argv)
+    workdir = Path(args.dir).resolve()
+    t0 = time.perf_counter()
+    env = prepare(workdir)
+    copy_workflow(workdir)
+    status = run_workflow(workdir, env, args.snakemake_args)
+    if status != 0:
+        print(f"paper-rehearsal: error: snakemake exited with status {status} (logs under {workdir}/logs)",
+              file=sys.stderr)
+        return 1
+    problems = check_outputs(workdir)
+    for p in problems:
+        print(f"paper-rehearsal: error: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"paper-rehearsal: passed in {time.perf_counter() - t0:.0f} s ({workdir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
