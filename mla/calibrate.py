@@ -2,11 +2,17 @@
 
 score[layer, kv_head, k] = Σ_{query heads h of the group} mean‖q_h^{[k]}‖ · mean‖k_g^{[k]}‖, the means
 taken over tokens and then over samples, q and k pre-RoPE (the pair norm is rotation-invariant).
+
+The model runs where it lies (CPU or GPU, in its dtype); the pair norms are taken in fp32 and summed
+over samples in fp64, so the scores do not depend on the batch size.
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_AUTO_BATCH = 64        # beyond this a forward pass gains nothing but a larger memory spike
+MEMORY_FRACTION = 0.7      # of the free memory: allocator slack, fragmentation, other processes
 
 
 def pair_norms(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -24,18 +30,45 @@ def group_scores(q_mean: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
     return per_query.reshape(layers, n_kv, n_h // n_kv, half).sum(dim=2)
 
 
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def activation_bytes_per_sample(cfg, block_length: int, element_size: int) -> int:
+    """Upper estimate of the memory one sequence needs during the calibration forward (no grad, no cache,
+    no LM head): residual and normed hidden states, q/k/v with their RoPE'd copies and the GQA-expanded
+    k/v, the MLP's gate/up/product, the hook's fp32 q/k and pair norms, and the attention matrix when
+    the model uses eager attention (SDPA kernels do not materialise it)."""
+    t, b = block_length, element_size
+    d_h, n_h, n_kv = _head_dim(cfg), cfg.num_attention_heads, cfg.num_key_value_heads
+    hidden = 4 * t * cfg.hidden_size * b
+    attention = t * d_h * b * (2 * n_h + 3 * n_kv + 2 * n_h + n_h)     # q,k,v + RoPE'd q,k + expanded k,v + out
+    mlp = 4 * t * cfg.intermediate_size * b
+    hook = t * (n_h + n_kv) * d_h * 4 * 2                                # fp32 copy + norm intermediates
+    scores = n_h * t * t * (b + 4) if getattr(cfg, "_attn_implementation", None) == "eager" else 0
+    return hidden + max(attention + scores, mlp) + hook
+
+
+def auto_batch_size(cfg, block_length: int, element_size: int, free_bytes: int, samples: int) -> int:
+    """Sequences per forward pass that fit MEMORY_FRACTION of `free_bytes` (the model already loaded)."""
+    per_sample = activation_bytes_per_sample(cfg, block_length, element_size)
+    fit = int(free_bytes * MEMORY_FRACTION) // per_sample
+    return max(1, min(fit, MAX_AUTO_BATCH, samples))
+
+
 @torch.no_grad()
 def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
     """Scores [L, n_kv, d_h/2] of a Llama-family model over token blocks (an iterable of 1-D tensors).
 
     A forward pre-hook on each attention module captures its input (after the input RMSNorm);
-    q_proj/k_proj are applied to it directly.
+    q_proj/k_proj are applied to it directly. Batches go to the model's device; the result is on the CPU.
     """
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
+    device = next(model.parameters()).device
     layers = model.model.layers
-    q_sum = torch.zeros(len(layers), cfg.num_attention_heads, head_dim // 2, dtype=torch.float64)
-    k_sum = torch.zeros(len(layers), cfg.num_key_value_heads, head_dim // 2, dtype=torch.float64)
+    q_sum = torch.zeros(len(layers), cfg.num_attention_heads, head_dim // 2, dtype=torch.float64, device=device)
+    k_sum = torch.zeros(len(layers), cfg.num_key_value_heads, head_dim // 2, dtype=torch.float64, device=device)
     count = 0
 
     def hook_for(i, attn):
@@ -47,6 +80,11 @@ def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
             k_sum[i] += k.sum(dim=0).double()
         return hook
 
+    def forward(batch):
+        nonlocal count
+        model.model(input_ids=torch.stack(batch).to(device), use_cache=False)
+        count += len(batch)
+
     handles = [layer.self_attn.register_forward_pre_hook(hook_for(i, layer.self_attn), with_kwargs=True)
                for i, layer in enumerate(layers)]
     try:
@@ -55,15 +93,13 @@ def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
         for block in blocks:
             batch.append(torch.as_tensor(block, dtype=torch.long))
             if len(batch) == batch_size:
-                model.model(input_ids=torch.stack(batch), use_cache=False)
-                count += len(batch)
+                forward(batch)
                 batch = []
         if batch:
-            model.model(input_ids=torch.stack(batch), use_cache=False)
-            count += len(batch)
+            forward(batch)
     finally:
         for h in handles:
             h.remove()
     if count == 0:
         raise ValueError("no calibration samples: the token block source is empty")
-    return group_scores((q_sum / count).float(), (k_sum / count).float())
+    return group_scores((q_sum / count).float().cpu(), (k_sum / count).float().cpu())

@@ -10,6 +10,10 @@ variant is a converted model and needs a d_kv (given, or read from conversion.js
 
 For a model of the paper's Table 1 the paper's KV-memory change and benchmark scores are placed in
 the column right after ours, followed by the difference (ours − paper, in points).
+
+Measured perplexities and accuracies carry their standard error (from the eval JSON's `*_stderr`
+fields): in the CSV as a separate column named after the value's column with the suffix `_se`
+(empty where unknown), in Markdown as `value ± se`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from mla import paper_numbers
 
 FINAL_LOSS_STEPS = 10
 SPECIAL_VARIANTS = ("original", "baseline")
+SE_SUFFIX = "_se"
 
 
 class TableInputError(ValueError):
@@ -70,9 +75,10 @@ def _variant_key(v: Variant) -> str | int:
 
 def _decode_summary(decode: dict | None) -> tuple[float | None, float | None, str | None]:
     """(measured speedup, predicted S(B,T), 'BxT') at the largest B·T of the grid, absorbed path preferred."""
-    if not decode or not decode.get("grid"):
+    measured_points = [g for g in (decode or {}).get("grid") or [] if g.get("status", "ok") == "ok"]
+    if not measured_points:
         return None, None, None
-    best = max(decode["grid"], key=lambda g: g["batch"] * g["context"])
+    best = max(measured_points, key=lambda g: g["batch"] * g["context"])
     measured = best.get("speedup_absorbed", best.get("speedup"))
     return measured, best.get("predicted_speedup"), f"{best['batch']}x{best['context']}"
 
@@ -95,13 +101,15 @@ def collect(variants: list[Variant]) -> list[dict]:
         bench = ((ev.get("benchmarks") or {}).get("paper") or {})
         local = ((ev.get("benchmarks") or {}).get("local") or {})
         speed, pred, at = _decode_summary(ev.get("decode"))
+        local_metric = "acc_norm" if local.get("acc_norm") is not None else "acc"
         rows.append({
             "variant": v.name, "d_kv": d_kv, "kv_ratio": kv_ratio, "kv_elements": kv_elems,
             "params": conv.get("params_after", ev.get("params")),
             "final_loss": final_loss(v.metrics) if v.metrics else None,
-            "perplexity": ppl.get("perplexity"),
-            "local_acc": local.get("acc_norm", local.get("acc")),
-            "scores": bench.get("scores") or {}, "average": bench.get("average"),
+            "perplexity": ppl.get("perplexity"), "perplexity_se": ppl.get("perplexity_stderr"),
+            "local_acc": local.get(local_metric), "local_acc_se": local.get(f"{local_metric}_stderr"),
+            "scores": bench.get("scores") or {}, "scores_se": bench.get("scores_stderr") or {},
+            "average": bench.get("average"), "average_se": bench.get("average_stderr"),
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
             "_key": _variant_key(Variant(v.name, d_kv)),
         })
@@ -137,6 +145,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
                        ("perplexity", "held-out perplexity"), ("local_acc", "local task acc_norm")):
         if have[key]:
             header.append(title)
+            if key in ("perplexity", "local_acc"):
+                header.append(title + SE_SUFFIX)
     if paper_model:
         score_cols = ["avg", *paper_numbers.TASKS]
     elif have["average"] or tasks:
@@ -145,7 +155,7 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
         score_cols = []
     for t in score_cols:
         title = "Avg" if t == "avg" else paper_numbers.TASK_TITLES[t]
-        header.append(title)
+        header += [title, title + SE_SUFFIX]
         if paper_model:
             header += [f"{title} (paper)", f"Δ {title}"]
     if have["decode_speedup"]:
@@ -164,10 +174,14 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
         for key in ("params", "final_loss", "perplexity", "local_acc"):
             if have[key]:
                 row.append(r[key])
+                if key in ("perplexity", "local_acc"):
+                    row.append(r[f"{key}_se"])
         for t in score_cols:
             ours = r["average"] if t == "avg" else r["scores"].get(t)
+            se = r["average_se"] if t == "avg" else r["scores_se"].get(t)
             ours = None if ours is None else ours * 100.0    # fractions -> percentage points
-            row.append(ours)
+            se = None if ours is None or se is None else se * 100.0
+            row += [ours, se]
             if paper_model:
                 p = None if paper is None else paper[t]
                 row += [p, _diff(ours, p)]
@@ -199,12 +213,22 @@ def _fmt(value, column: str) -> str:
     return f"{value:.2f}"
 
 
+def _with_se(value, se, column: str) -> str:
+    text = _fmt(value, column)
+    return text if value is None or se is None else f"{text} ± {_fmt(se, column)}"
+
+
 def to_markdown(header: list[str], rows: list[list], title: str | None = None, notes: list[str] = ()) -> str:
+    """Markdown table; a column `X_se` right after `X` is shown inside it as `value ± se`."""
+    shown = [i for i, c in enumerate(header)
+             if not (c.endswith(SE_SUFFIX) and i > 0 and header[i - 1] + SE_SUFFIX == c)]
+    has_se = {i: i + 1 < len(header) and header[i + 1] == header[i] + SE_SUFFIX for i in shown}
     lines = [f"### {title}", ""] if title else []
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("| " + " | ".join("---" for _ in header) + " |")
+    lines.append("| " + " | ".join(header[i] for i in shown) + " |")
+    lines.append("| " + " | ".join("---" for _ in shown) + " |")
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(v, c) for v, c in zip(row, header)) + " |")
+        cells = [_with_se(row[i], row[i + 1] if has_se[i] else None, header[i]) for i in shown]
+        lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines.append("")
         lines += [f"{n}" for n in notes]
@@ -228,7 +252,9 @@ def write_table(header, rows, out: str | Path, title: str | None = None, notes: 
 def table_notes(paper_model: str | None, model_name: str | None) -> list[str]:
     notes = [f"KV mem. change: cached elements per token vs the original model. Final train loss: mean of "
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
-             f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper."]
+             f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper. "
+             f"± = one standard error (perplexity: across held-out blocks, delta method; accuracies: lm-eval's "
+             f"per-question SE, combined over tasks as independent estimates)."]
     if paper_model:
         src = f" (our model: {model_name})" if model_name and paper_numbers.paper_model(model_name) != paper_model else ""
         notes.append(f"Paper columns: MHA2MLA v1 Table 1, {paper_model}{src}; Δ = ours − paper.")

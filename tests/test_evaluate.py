@@ -88,6 +88,27 @@ def test_perplexity_full_rank_equals_original(blocks_npy):
     assert abs(perplexity(low, blocks)["mean_loss"] - ref["mean_loss"]) > 1e-3
 
 
+def test_perplexity_standard_error_across_blocks(blocks_npy):
+    """SE of the mean loss = sd of per-block mean losses / sqrt(blocks), recomputed here block by block
+    with log_softmax; perplexity SE by the delta method exp(m)·SE(m)."""
+    model = tiny_llama(num_kv_heads=2)
+    blocks = np.load(blocks_npy)
+    res = perplexity(model, blocks, batch_size=2)
+    per_block = []
+    with torch.no_grad():
+        for row in blocks:
+            ids = torch.tensor(row, dtype=torch.long)[None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            per_block.append(-float(logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].mean()))
+    per_block = np.array(per_block)
+    assert res["mean_loss"] == pytest.approx(per_block.mean(), rel=1e-5)
+    se = per_block.std(ddof=1) / math.sqrt(len(per_block))
+    assert res["mean_loss_stderr"] == pytest.approx(se, rel=1e-4) and se > 0
+    assert res["perplexity_stderr"] == pytest.approx(math.exp(per_block.mean()) * se, rel=1e-4)
+    one = perplexity(model, blocks, max_blocks=1)
+    assert one["mean_loss_stderr"] is None and one["perplexity_stderr"] is None   # one block: no spread to measure
+
+
 def test_perplexity_rejects_foreign_tokens():
     with pytest.raises(ValueError, match="vocab size"):
         perplexity(tiny_llama(), np.full((1, 8), 9999))
@@ -161,16 +182,18 @@ def test_lm_eval_local_task_on_mla_model(tok):
     for name, model in (("good", good), ("broken", broken)):
         res = harness.local_task(model, tok, num_docs=24, batch_size=4)
         assert res["task"] == LOCAL_TASK and res["n"] == 24
-        assert 0.0 <= res["acc"] <= 1.0 and 0.0 <= res["acc_norm"] <= 1.0
         preds, preds_norm, gold = _own_predictions(model, tok, docs)
-        assert res["acc"] == pytest.approx(float(np.mean(preds == gold)))
-        assert res["acc_norm"] == pytest.approx(float(np.mean(preds_norm == gold)))
+        for key, hits in (("acc", preds == gold), ("acc_norm", preds_norm == gold)):
+            assert res[key] == pytest.approx(float(np.mean(hits)))
+            # SE of a mean of 0/1 outcomes: sample sd / sqrt(n)
+            assert res[f"{key}_stderr"] == pytest.approx(float(np.std(hits, ddof=1) / math.sqrt(len(hits))))
         results[name] = preds_norm
     assert (results["good"] != results["broken"]).any()
 
 
 def test_paper_tasks_skip_offline_with_reason(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv(harness.LOCAL_DATA_ENV, raising=False)
     res = harness.paper_tasks(model=None, tokenizer=None)
     assert res["status"] == "skipped" and "HF_HUB_OFFLINE is set" in res["reason"]
     assert "scores" not in res and "average" not in res
@@ -187,6 +210,99 @@ def test_paper_column_scores_from_lm_eval_results():
     assert harness._column_score(results, n, ("winogrande",)) == pytest.approx(0.55)    # acc where no acc_norm
     assert harness._column_score(results, n, ("mmlu_continuation",)) == pytest.approx((0.4 * 30 + 0.1 * 10) / 40)
     assert harness._column_score(results, n, ("piqa",)) is None
+
+
+def test_paper_column_standard_errors_combine_independent_tasks():
+    results = {"arc_easy": {"acc_norm,none": 0.5, "acc_norm_stderr,none": 0.03},
+               "arc_challenge": {"acc_norm,none": 0.3, "acc_norm_stderr,none": 0.04},
+               "winogrande": {"acc,none": 0.55, "acc_stderr,none": 0.02},
+               "mmlu_anatomy_continuation": {"acc_norm,none": 0.4, "acc_norm_stderr,none": 0.09},
+               "mmlu_astronomy_continuation": {"acc_norm,none": 0.1, "acc_norm_stderr,none": 0.1}}
+    n = {"mmlu_anatomy_continuation": {"effective": 30}, "mmlu_astronomy_continuation": {"effective": 10},
+         "arc_easy": {"effective": 200}, "arc_challenge": {"effective": 100}}
+    assert harness._column(results, n, ("arc_easy", "arc_challenge")) == pytest.approx((0.4, 0.025, 300))
+    assert harness._column(results, n, ("winogrande",))[:2] == pytest.approx((0.55, 0.02))
+    # MMLU = (30·0.4 + 10·0.1)/40: SE = sqrt(30²·0.09² + 10²·0.1²)/40
+    value, se, count = harness._column(results, n, ("mmlu_continuation",))
+    assert (value, count) == (pytest.approx(0.325), 40) and se == pytest.approx(math.sqrt(2.7 ** 2 + 1.0) / 40)
+    # the check that this weighting matters: the pooled-sample formula would differ
+    assert se != pytest.approx(math.sqrt((29 * 30 * 0.09 ** 2 + 9 * 10 * 0.1 ** 2) / 38 / 40))
+    # simulated check of the ARC combination: SE of (a + c)/2 over many draws
+    rng = np.random.default_rng(0)
+    draws = (rng.binomial(200, 0.5, 20_000) / 200 + rng.binomial(100, 0.3, 20_000) / 100) / 2
+    a_se, c_se = math.sqrt(0.25 / 200), math.sqrt(0.21 / 100)
+    assert harness.mean_of_independent([0.5, 0.3], [a_se, c_se])[1] == pytest.approx(draws.std(), rel=0.03)
+    assert harness.mean_of_independent([0.5, 0.3], [a_se, None]) == (0.4, None)
+
+
+# -- the paper's six tasks from local files ($MLA_LM_EVAL_DATA) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def local_task_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm-eval-data")
+    env = harness.write_local_task_data(root, rows_per_task=3, seed=0)
+    assert env == {harness.LOCAL_DATA_ENV: str(root)}
+    return root
+
+
+def test_local_task_data_layout_and_schema(local_task_data):
+    root = local_task_data
+    arc = [json.loads(line) for line in (root / "allenai/ai2_arc/ARC-Easy/test.jsonl").read_text().splitlines()]
+    assert len(arc) == 3 and set(arc[0]) == {"id", "question", "choices", "answerKey"}
+    assert arc[0]["answerKey"] in arc[0]["choices"]["label"]
+    hs = json.loads((root / "Rowan/hellaswag/default/validation.jsonl").read_text().splitlines()[0])
+    assert {"activity_label", "ctx_a", "ctx_b", "endings", "label"} <= set(hs) and isinstance(hs["label"], str)
+    subjects = sorted(p.name for p in (root / "cais/mmlu").iterdir())
+    assert len(subjects) == 57 and "abstract_algebra" in subjects
+    mmlu = json.loads((root / "cais/mmlu/anatomy/test.jsonl").read_text().splitlines()[0])
+    assert set(mmlu) == {"question", "subject", "choices", "answer"} and mmlu["subject"] == "anatomy"
+    for path in ("baber/piqa/default/validation.jsonl", "allenai/winogrande/winogrande_xl/validation.jsonl",
+                 "allenai/openbookqa/main/test.jsonl", "allenai/ai2_arc/ARC-Challenge/test.jsonl"):
+        assert len((root / path).read_text().splitlines()) == 3, path
+
+
+@pytest.mark.timeout(300)
+def test_paper_tasks_from_local_files_offline(local_task_data, tok, monkeypatch):
+    """lm-eval's own definitions of the six tasks, documents from local files, no Hub: six columns and the
+    average with standard errors, each task scoring exactly the rows written."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv(harness.LOCAL_DATA_ENV, str(local_task_data))
+    res = harness.paper_tasks(tiny_llama(num_kv_heads=2, seed=1), tok, batch_size=8)
+    assert res["status"] == "ok" and res["missing"] == [] and str(local_task_data) in res["documents"]
+    per_task = res["per_task"]
+    assert len(per_task) == 6 + 57                      # ARC is two tasks, MMLU 57 subjects
+    assert {t["n"] for t in per_task.values()} == {3}   # every task scored the 3 rows written, no more
+    assert res["n"] == {"mmlu": 57 * 3, "arc": 6, "piqa": 3, "hellaswag": 3, "openbookqa": 3, "winogrande": 3}
+    assert sum(0 < t["score"] < 1 for t in per_task.values()) >= 10   # SEs below are not all zero
+    for name, t in per_task.items():                    # lm-eval's closed form for a mean of 0/1 outcomes
+        assert t["stderr"] == pytest.approx(math.sqrt(t["score"] * (1 - t["score"]) / (t["n"] - 1))), name
+    # the columns and their SEs, recomputed here from the per-task numbers
+    mmlu = [t for k, t in per_task.items() if k.startswith("mmlu_")]
+    expect = {"mmlu": (np.mean([t["score"] for t in mmlu]), math.sqrt(sum(t["stderr"] ** 2 for t in mmlu)) / 57),
+              "arc": ((per_task["arc_easy"]["score"] + per_task["arc_challenge"]["score"]) / 2,
+                      math.hypot(per_task["arc_easy"]["stderr"], per_task["arc_challenge"]["stderr"]) / 2)}
+    for col in ("piqa", "hellaswag", "openbookqa", "winogrande"):
+        expect[col] = (per_task[col]["score"], per_task[col]["stderr"])
+    for col, (value, se) in expect.items():
+        assert res["scores"][col] == pytest.approx(value) and res["scores_stderr"][col] == pytest.approx(se), col
+    assert res["average"] == pytest.approx(np.mean([v for v, _ in expect.values()]))
+    assert res["average_stderr"] == pytest.approx(math.sqrt(sum(se ** 2 for _, se in expect.values())) / 6)
+    assert res["average_stderr"] > 0
+
+
+def test_missing_local_task_file_stops_before_loading(local_task_data, tmp_path, tiny_checkpoint, capsys, monkeypatch):
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(local_task_data, root)
+    (root / "allenai/openbookqa/main/test.jsonl").unlink()
+    (root / "Rowan/hellaswag/default/train.jsonl").unlink()      # an unscored split may be absent
+    monkeypatch.setenv(harness.LOCAL_DATA_ENV, str(root))
+    assert main(["evaluate", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "MLA_LM_EVAL_DATA" in err and "openbookqa/main/test.jsonl not found" in err
+    assert not (tmp_path / "e.json").exists()
 
 
 # -- decode speed --------------------------------------------------------------------------------------
@@ -208,6 +324,70 @@ def test_weight_bytes_counts_tied_head_once():
     untied = tiny_llama(tie_word_embeddings=False)
     emb = untied.get_input_embeddings().weight.numel()
     assert decode.weight_bytes(untied) == 4 * (sum(p.numel() for p in untied.parameters()) - emb)
+
+
+def test_decode_steps_are_timed_between_device_synchronisations(monkeypatch):
+    """Each timed step waits for the device before its clock starts and after its last kernel (on a GPU,
+    CUDA calls return before the work is done); on the CPU the wait is a no-op."""
+    from mla import devices
+
+    real_synchronize, events = devices.synchronize, []
+    monkeypatch.setattr(devices, "synchronize", lambda device: events.append(("sync", str(device))))
+    real_counter = decode.time.perf_counter
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: events.append(("clock",)) or real_counter())
+    stepper = decode._Stepper(tiny_llama(), batch=2, context=8)
+    stepper.run(3)
+    assert events == [("sync", "cpu"), ("clock",), ("sync", "cpu"), ("clock",)] * 3
+    assert len(stepper.step_seconds) == 3
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    real_synchronize(torch.device("cuda:0"))
+    real_synchronize(torch.device("cpu"))
+    assert calls == [torch.device("cuda:0")]
+
+
+def test_decode_grid_skips_points_that_cannot_fit(mla_dir):
+    """A point whose caches exceed the free memory is skipped before anything is allocated, with the
+    numbers; the others are measured."""
+    from mla.checkpoint import load_model
+
+    model = load_model(mla_dir).eval()
+    huge = (4096, 10 ** 7)                               # ~10^10 cached tokens per variant: petabytes
+    res = decode.decode_grid(model, [(1, 16), huge], steps=2, warmup=1, log=None)
+    ok, skipped = res["grid"]
+    assert ok["status"] == "ok" and ok["mla_absorbed_tps"] > 0 and ok["need_bytes"] < ok["free_bytes"]
+    assert skipped["status"] == "skipped" and (skipped["batch"], skipped["context"]) == huge
+    assert skipped["to_allocate_bytes"] > skipped["free_bytes"] and "GiB" in skipped["reason"]
+    assert "mla_tps" not in skipped and "speedup" not in skipped
+    tokens = huge[1] + 2 + 1 + 1                          # context + steps + warmup + the first step
+    per_token = 2 * res["kv_bytes_per_token"] + res["original_kv_bytes_per_token"]   # two MLA caches + original
+    assert skipped["caches_bytes"] == huge[0] * tokens * per_token
+    assert skipped["need_bytes"] == (skipped["weights_bytes"] + skipped["original_weights_bytes"]
+                                     + skipped["caches_bytes"] + skipped["margin_bytes"])
+    assert skipped["original_weights_bytes"] == decode.resident_bytes(decode.original_twin(model, device="meta"))
+
+
+def test_paper_decode_point_32x4096_needs_128gib_for_the_fp32_original():
+    """Llama-2-7B's original at 32 x 4096 in fp32 caches 32·4096·(2·32·128·32)·4 B = 128 GiB; against a
+    64 GB job it is skipped, never allocated (the model here lives on the meta device: no memory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mla.shapes import read_config
+
+    cfg = LlamaConfig(**{k: v for k, v in read_config("llama-2-7b").items() if k != "architectures"})
+    with torch.device("meta"):
+        llama = LlamaForCausalLM._from_config(cfg, dtype=torch.float32)
+    res = decode.decode_grid(llama, [(32, 4096)], steps=32, free_memory=lambda: 64 * 10 ** 9, log=None)
+    point = res["grid"][0]
+    assert point["status"] == "skipped"
+    assert 32 * 4096 * res["kv_bytes_per_token"] == 128 * 2 ** 30
+    assert point["caches_bytes"] == 32 * (4096 + 32 + 2 + 1) * 2 * 32 * 128 * 32 * 4
+    assert point["weights_bytes"] == pytest.approx(6.74e9 * 4, rel=0.01)
+    # the margin: one layer's cache copied by the update (1/32 of the caches) and a little more
+    assert point["caches_bytes"] / 32 < point["margin_bytes"] < point["caches_bytes"] / 32 + 2 ** 30
+    assert 155 < point["need_bytes"] / 2 ** 30 < 160       # 25 GiB of weights + 129 GiB of cache + margin
+    assert point["reason"].startswith(f"needs {point['need_bytes'] / 2 ** 30:.2f} GiB")
+    assert point["reason"].endswith("but 59.60 GiB is free on meta")
 
 
 @pytest.mark.parametrize("text, message", [("8x", "BATCHxCONTEXT"), ("0x16", "BATCHxCONTEXT"), ("a", "BATCHxCONTEXT")])
@@ -233,16 +413,24 @@ def test_evaluate_cli_json_has_every_field(mla_dir, blocks_npy, tmp_path, monkey
     assert res["is_mla"] and res["model_type"] == "mla_llama" and res["d_kv"] == 4 and res["variant"] == "dkv4"
     kv = res["kv_cache"]
     assert kv["matches_formula"] and kv["bytes_per_token_measured"] == 2 * (4 + 2 * res["r"]) * 2 * 4
+    assert (res["device"], res["dtype"]) == ("cpu", "float32")
     ppl = res["perplexity"]
     assert ppl["blocks"] == 3 and ppl["tokens"] == 3 * 47 and ppl["perplexity"] == pytest.approx(
         math.exp(ppl["mean_loss"]))
+    assert ppl["mean_loss_stderr"] > 0
+    assert ppl["perplexity_stderr"] == pytest.approx(ppl["perplexity"] * ppl["mean_loss_stderr"])
     local = res["benchmarks"]["local"]
-    assert local["task"] == LOCAL_TASK and local["n"] == 16 and 0 <= local["acc_norm"] <= 1
+    assert local["task"] == LOCAL_TASK and local["n"] == 16
+    p_hat = local["acc_norm"]                         # a fraction of 16 questions, with its SE
+    assert p_hat * 16 == pytest.approx(round(p_hat * 16))
+    assert local["acc_norm_stderr"] == pytest.approx(math.sqrt(p_hat * (1 - p_hat) / 15))
     paper = res["benchmarks"]["paper"]
     assert paper["status"] == "skipped" and "Hub" in paper["reason"]
     dec = res["decode"]
     assert [(p["batch"], p["context"]) for p in dec["grid"]] == [(1, 32), (2, 48)]
+    assert dec["device"] == "cpu" and "synchronisation" in dec["timing"]
     for p in dec["grid"]:
+        assert p["status"] == "ok"
         for key in ("mla_tps", "mla_absorbed_tps", "original_tps", "speedup", "speedup_absorbed"):
             assert p[key] > 0
         assert p["predicted_speedup"] == pytest.approx(decode.predicted_speedup(
@@ -257,6 +445,8 @@ def test_evaluate_cli_json_has_every_field(mla_dir, blocks_npy, tmp_path, monkey
     run = client.search_runs([client.get_experiment_by_name("exp").experiment_id])[0]
     assert run.info.run_name == "dkv4"
     assert run.data.metrics["eval/perplexity"] == pytest.approx(ppl["perplexity"])
+    assert run.data.metrics["eval/perplexity_stderr"] == pytest.approx(ppl["perplexity_stderr"])
+    assert run.data.metrics[f"eval/{LOCAL_TASK}_acc_norm_stderr"] == pytest.approx(local["acc_norm_stderr"])
     assert run.data.metrics[f"eval/{LOCAL_TASK}_acc_norm"] == pytest.approx(local["acc_norm"])
     assert "decode/speedup_absorbed_B2_T48" in run.data.metrics
     assert [a.path for a in client.list_artifacts(run.info.run_id, "evaluation")] == ["evaluation/dkv4.json"]
@@ -275,6 +465,27 @@ def test_evaluate_cli_json_has_every_field(mla_dir, blocks_npy, tmp_path, monkey
     kv_col = header.index("KV mem. change %")
     assert rows[1][kv_col] == pytest.approx(((4 + 2 * res["r"]) / (2 * D_H) - 1) * 100)
     assert rows[1][header.index("decode speedup")] == pytest.approx(dec["grid"][-1]["speedup_absorbed"])
+    assert rows[1][header.index("held-out perplexity_se")] == pytest.approx(ppl["perplexity_stderr"])
+
+
+def test_bf16_path_of_gpu_jobs_runs_on_cpu(mla_dir, blocks_npy, tok, monkeypatch):
+    """What a GPU job runs differs from the CPU default in dtype (bf16) and device; the dtype part runs
+    here: bytes per token halve, the original twin follows the model's dtype, numbers stay finite."""
+    from mla.checkpoint import load_model
+    from mla.evaluation.report import EvalOptions, evaluate_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model(mla_dir, dtype=torch.bfloat16).eval()
+    opts = EvalOptions(blocks=str(blocks_npy), local_docs=8, paper_tasks="off", decode_grid=[(1, 16)],
+                       decode_steps=2, kv_new_tokens=4)
+    res = evaluate_model(model, tok, opts, log=lambda *_: None)
+    assert (res["device"], res["dtype"]) == ("cpu", "bfloat16")
+    assert res["kv_cache"]["bytes_per_token_measured"] == res["kv_cache"]["elements_per_token"] * 2
+    assert math.isfinite(res["perplexity"]["mean_loss"]) and res["perplexity"]["mean_loss_stderr"] > 0
+    assert res["benchmarks"]["local"]["n"] == 8 and res["benchmarks"]["local"]["acc_norm_stderr"] is not None
+    dec = res["decode"]
+    assert dec["dtype"] == "bfloat16" and dec["original_kv_bytes_per_token"] == 2 * 2 * D_H * 2 * 2
+    assert dec["grid"][0]["status"] == "ok" and dec["grid"][0]["speedup_absorbed"] > 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -324,6 +535,8 @@ def test_smollm2_lm_eval_good_vs_broken(smollm2):
         e = mla.model.embed_tokens.weight
         e.copy_(e[torch.randperm(e.shape[0], generator=torch.Generator().manual_seed(0))])
     broken = harness.local_task(mla, tok, num_docs=32)
-    assert 0 <= broken["acc_norm"] <= 1 and 0 <= good["acc_norm"] <= 1
     assert good["acc_norm"] >= 0.5
     assert good["acc_norm"] - broken["acc_norm"] >= 0.2
+    # and the difference exceeds two standard errors of itself (independent question outcomes)
+    se_diff = math.hypot(good["acc_norm_stderr"], broken["acc_norm_stderr"])
+    assert good["acc_norm"] - broken["acc_norm"] > 2 * se_diff

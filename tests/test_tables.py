@@ -29,13 +29,16 @@ def test_paper_numbers_are_consistent():
     assert paper_numbers.paper_model("SmolLM2-135M") is None
 
 
-def _eval_json(path, *, d_kv, elements, ppl, scores=None, decode=None, params=1000):
+def _eval_json(path, *, d_kv, elements, ppl, scores=None, decode=None, params=1000, ppl_se=0.25):
+    """An eval JSON as `mla evaluate` writes it (the fields the table reads), with standard errors."""
+    stderrs = None if scores is None else {t: 0.01 + 0.001 * i for i, t in enumerate(scores)}
     data = {"schema": "mla.evaluation/1", "d_kv": d_kv, "params": params,
             "kv_cache": {"elements_per_token": elements},
-            "perplexity": {"perplexity": ppl, "mean_loss": 1.0},
-            "benchmarks": {"local": {"acc": 0.5, "acc_norm": 0.55},
-                           "paper": ({"status": "ok", "scores": scores,
-                                      "average": sum(scores.values()) / len(scores)} if scores
+            "perplexity": {"perplexity": ppl, "perplexity_stderr": ppl_se, "mean_loss": 1.0},
+            "benchmarks": {"local": {"acc": 0.5, "acc_stderr": 0.05, "acc_norm": 0.55, "acc_norm_stderr": 0.04},
+                           "paper": ({"status": "ok", "scores": scores, "scores_stderr": stderrs,
+                                      "average": sum(scores.values()) / len(scores),
+                                      "average_stderr": 0.006} if scores
                                      else {"status": "skipped", "reason": "offline"})},
             "decode": decode}
     path.write_text(json.dumps(data))
@@ -56,7 +59,9 @@ def experiment(tmp_path):
     decode = {"grid": [{"batch": 1, "context": 128, "speedup": 0.9, "speedup_absorbed": 1.0,
                         "predicted_speedup": 1.01},
                        {"batch": 8, "context": 4096, "speedup": 1.5, "speedup_absorbed": 2.4,
-                        "predicted_speedup": 2.8}]}
+                        "predicted_speedup": 2.8},
+                       {"batch": 32, "context": 4096, "status": "skipped", "reason": "needs 130 GiB",
+                        "need_bytes": 130 * 2 ** 30, "free_bytes": 60 * 2 ** 30}]}
     d8 = _eval_json(tmp_path / "d8.json", d_kv=8, elements=48 * 30, ppl=15.0, scores=scores, decode=decode)
     conv = tmp_path / "conversion.json"
     conv.write_text(json.dumps({"d_kv": 8, "params_before": 1000, "params_after": 900,
@@ -91,20 +96,29 @@ def test_table_against_paper(experiment, tmp_path):
     assert float(d8["Δ KV mem. change"]) == pytest.approx(0.0)
     assert d8["params"] == "900"
     assert float(d8["held-out perplexity"]) == pytest.approx(15.0)
+    assert float(d8["held-out perplexity_se"]) == pytest.approx(0.25)
+    assert float(d8["local task acc_norm_se"]) == pytest.approx(0.04)
     ours_avg = sum(e["scores"].values()) / 6 * 100
     assert float(d8["Avg"]) == pytest.approx(ours_avg, rel=1e-5)
+    assert float(d8["Avg_se"]) == pytest.approx(0.6)                 # fractions -> points, like the value
+    assert float(d8["MMLU_se"]) == pytest.approx(100 * (0.01 + 0.001 * paper_numbers.TASKS.index("mmlu")))
     assert float(d8["Avg (paper)"]) == pytest.approx(40.97)
     assert float(d8["Δ Avg"]) == pytest.approx(ours_avg - 40.97, rel=1e-5)
     assert float(d8["MMLU (paper)"]) == pytest.approx(28.37)
-    assert float(d8["decode speedup"]) == pytest.approx(2.4)      # absorbed, largest B·T
+    assert float(d8["decode speedup"]) == pytest.approx(2.4)      # absorbed, largest measured B·T (32x4096 skipped)
     assert d8["at BxT"] == "8x4096"
     base = rows[1]
     assert float(base["final train loss"]) == pytest.approx(2.0)
     assert float(base["Avg (paper)"]) == pytest.approx(44.25)
-    assert base["Avg"] == ""                                       # skipped offline: empty, not faked
+    assert base["Avg"] == "" and base["Avg_se"] == ""              # skipped offline: empty, not faked
     assert float(rows[0]["Avg (paper)"]) == pytest.approx(44.50)
     md = (tmp_path / "tables/smol.md").read_text()
     assert "| dkv8 | 8 | -87.50% | -87.50% | +0.00% |" in md
+    assert "_se" not in md                                          # SE columns fold into their values
+    assert "| 15.000 ± 0.250 | 0.5500 ± 0.0400 |" in md
+    assert f"| {ours_avg:.2f} ± 0.60 | 40.97 |" in md
+    baseline_line = next(line for line in md.splitlines() if line.startswith("| baseline"))
+    assert "| 11.000 ± 0.250 |" in baseline_line and "| – | 44.25 | – |" in baseline_line   # no "– ± –"
     assert "SmolLM-135M (our model: SmolLM2-135M)" in md
 
 

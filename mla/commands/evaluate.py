@@ -19,7 +19,11 @@ Stages: KV-cache bytes after generate (always); held-out perplexity (--data DIR 
 the paper's six tasks (HellaSwag, ARC-E/C, PIQA, WinoGrande, OpenBookQA, MMLU cloze; zero-shot acc_norm)
 when the Hugging Face Hub is reachable (skipped with a message when offline; --paper-tasks off);
 decode tokens/s over --decode-grid (BxT list, or "none") for original vs MLA absorbed and not, beside
-the predicted S(B,T). MLflow: --run-json (run.json of `mla train`) or --run-id, or --experiment with
+the predicted S(B,T); a grid point whose caches cannot fit the device's free memory is skipped with
+the numbers. --device auto|cpu|cuda (bf16 on GPUs that support it, fp32 on the CPU). With
+MLA_LM_EVAL_DATA=DIR the paper's tasks read their documents from local files under DIR (layout:
+mla/evaluation/harness.py) instead of the Hub. Every accuracy and perplexity comes with its standard
+error (`*_stderr`). MLflow: --run-json (run.json of `mla train`) or --run-id, or --experiment with
 --run-name; --tracking-uri defaults to sqlite:///results/mlflow.db when one of those is given.
 """
 
@@ -35,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--data", help="`mla data` folder: perplexity on its --split blocks")
     src.add_argument("--blocks", help=".npy token blocks [n, L] for perplexity (instead of --data)")
     p.add_argument("--split", default="validation", help="split of --data (default: validation)")
-    p.add_argument("--max-blocks", type=int, help="evaluate only the first N blocks")
+    p.add_argument("--max-blocks", type=int, help="evaluate N blocks, evenly spaced over the split")
     p.add_argument("--ppl-batch-size", type=int, default=1, help="blocks per forward pass (default 1)")
     p.add_argument("--no-local-task", dest="local_task", action="store_false",
                    help="skip the offline lm-eval task mla_stdlib_next_line")
@@ -53,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per grid point")
     p.add_argument("--original", help="original checkpoint to time against an MLA model (default: a "
                                       "random-weight Llama of the same shapes; speed does not depend on weights)")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when present, default) | cpu | cuda; bf16 on GPUs that support it, else fp32")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///results/mlflow.db)")
     p.add_argument("--run-json", help="run.json of `mla train`: log to that MLflow run")
@@ -62,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _mlflow_target(args):
-    from mla.cli import UserError
+    from mla.errors import UserError
 
     if args.run_json:
         path = Path(args.run_json)
@@ -86,7 +92,7 @@ def _mlflow_target(args):
 
 
 def run(args) -> int:
-    from mla.cli import UserError
+    from mla.errors import UserError
 
     if args.local_docs < 1 or args.decode_steps < 1 or args.kv_batch < 1 or args.kv_new_tokens < 1:
         raise UserError("--local-docs, --decode-steps, --kv-batch and --kv-new-tokens must be positive")
@@ -98,10 +104,18 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     target = _mlflow_target(args)      # fail on bad MLflow options before any work
 
+    import os
+
     import torch
 
+    from mla import devices
     from mla.checkpoint import load_model, load_tokenizer, require_checkpoint
+    from mla.evaluation import harness
     from mla.evaluation.report import EvalOptions, evaluate_model, log_to_mlflow, write_json
+
+    device = devices.resolve_device(args.device, config_key="evaluate.device")
+    if args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
+        harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,7 +125,9 @@ def run(args) -> int:
     blocks = args.data or args.blocks
     if blocks and not Path(blocks).exists():
         raise UserError(f"{'--data' if args.data else '--blocks'} not found: {blocks}")
-    model = load_model(args.model).eval()
+    dtype = devices.compute_dtype(device)
+    model = load_model(args.model, dtype=dtype).to(device).eval()
+    print(f"evaluate: {args.model} on {devices.describe(device, dtype)}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     opts = EvalOptions(blocks=blocks, split=args.split, max_blocks=args.max_blocks,
                        ppl_batch_size=args.ppl_batch_size, local_task=args.local_task, local_docs=args.local_docs,

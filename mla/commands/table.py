@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def variants_from_items(items) -> list[dict]:
-    from mla.cli import UserError
+    from mla.errors import UserError
 
     variants: list[dict] = []
     for key, value in items:
@@ -65,7 +65,7 @@ def variants_from_items(items) -> list[dict]:
 
 
 def load_spec(path: str) -> dict:
-    from mla.cli import UserError
+    from mla.errors import UserError
 
     p = Path(path)
     if not p.is_file():
@@ -87,7 +87,7 @@ def load_spec(path: str) -> dict:
 
 def run(args) -> int:
     from mla import paper_numbers
-    from mla.cli import UserError
+    from mla.errors import UserError
     from mla.tables import TableInputError, Variant, build_table, table_notes, write_table
 
     if args.spec and args.items:

@@ -1,7 +1,9 @@
 """Evaluation of a checkpoint: held-out perplexity, lm-eval benchmarks, KV-cache bytes, decode speed.
 
-Modules: `perplexity` (mean loss on token blocks), `harness` (lm-eval: our offline task and the paper's
-six Hub tasks), `kv_bytes` (bytes held by the cache after generation vs the formula), `decode`
-(tokens/s of original vs MLA over a batch x context grid, beside the predicted S(B,T)), `report`
-(one JSON per checkpoint, MLflow logging).
+Modules: `perplexity` (mean loss on token blocks, with its standard error across blocks), `harness`
+(lm-eval: our offline task and the paper's six tasks, from the Hub or from local files; accuracies with
+standard errors), `kv_bytes` (bytes held by the cache after generation vs the formula), `decode`
+(tokens/s of original vs MLA over a batch x context grid, beside the predicted S(B,T); points that cannot
+fit the device are skipped), `report` (one JSON per checkpoint, MLflow logging). Everything runs on the
+model's device (`mla.devices`: CPU in fp32, or a GPU in bf16).
 """

@@ -2,18 +2,27 @@
 
 Each point starts from a cache already holding `context` tokens (random entries of the exact shapes
 the model caches: filling it by prefill would cost far more than the decode being measured), then
-times `steps` greedy single-token steps after `warmup` untimed ones. Beside each measurement the
-memory-bound ceiling of peers.md §3.4:
+times `steps` greedy single-token steps after `warmup` untimed ones. Every timed step is bracketed by
+a device synchronisation (`torch.cuda.synchronize` on GPUs; a no-op on the CPU), so a step's time ends
+when its kernels do, not when they are queued. Beside each measurement the memory-bound ceiling of
+peers.md §3.4:
 
     S(B,T) = (W + B·T·kv_orig) / (W' + B·T·kv_mla)
 
 with W, W' the weight bytes one step reads and kv the cache bytes per token (all layers).
+
+Before a point allocates anything, the memory it needs — weights of the model and of the original
+(the twin counted while it does not exist yet), the caches of every timed variant at B x (T + steps),
+and a margin for one step's transients — is compared with the device's free memory; a point that
+cannot fit is skipped with the numbers (Llama-2-7B's original at 32 x 4096 in fp32 caches 128 GiB).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+
+FIXED_MARGIN = 512 * 2 ** 20   # allocator slack and kernels' workspaces
 
 
 def weight_bytes(model) -> int:
@@ -23,6 +32,17 @@ def weight_bytes(model) -> int:
     out = model.get_output_embeddings()
     tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
     return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def resident_bytes(model) -> int:
+    """Bytes the model's parameters and buffers occupy (each shared tensor once); works on meta models."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = id(t) if t.device.type == "meta" else t.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 def kv_bytes_per_token(model) -> int:
@@ -37,20 +57,21 @@ def predicted_speedup(w_orig: float, w_mla: float, kv_orig: float, kv_mla: float
     return (w_orig + bt * kv_orig) / (w_mla + bt * kv_mla)
 
 
-def original_twin(mla_model):
-    """A LlamaForCausalLM with the MLA model's source shapes and random weights (speed only)."""
+def original_twin(mla_model, device=None):
+    """A LlamaForCausalLM with the MLA model's source shapes and random weights (speed only), in the MLA
+    model's dtype, built directly on `device` (default: the MLA model's); device="meta" sizes it for free."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = mla_model.config.to_dict()
     for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_pairs",
                 "latent_split", "absorb_decode", "mha2mla", "auto_map", "architectures", "model_type",
-                "transformers_version"):
+                "transformers_version", "dtype", "torch_dtype"):
         cfg.pop(key, None)
     config = LlamaConfig(**cfg)
-    dtype = next(mla_model.parameters()).dtype
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(dtype)
+    first = next(mla_model.parameters())
+    with torch.device(device or first.device):
+        model = LlamaForCausalLM._from_config(config, dtype=first.dtype)
     return model.eval()
 
 
@@ -65,12 +86,51 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
     return grid
 
 
+def step_transient_bytes(model, batch: int, tokens: int) -> int:
+    """Upper estimate of one decode step's temporary memory at `tokens` cached tokens: the cache
+    update's copy of one layer, the per-layer keys/values an unabsorbed MLA step expands (and a GQA
+    expansion to every query head), fp32 attention scores, and the logits."""
+    cfg = model.config
+    elem = next(model.parameters()).element_size()
+    n_h, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d_h = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_h
+    layer_cache = kv_bytes_per_token(model) // cfg.num_hidden_layers
+    per_token = 3 * n_kv * d_h if getattr(cfg, "model_type", "") == "mla_llama" else 0  # k_nope, value, key
+    if n_kv < n_h:
+        per_token += 2 * n_h * d_h                                          # keys/values repeated per query head
+    expanded = batch * tokens * elem * per_token
+    scores = 3 * batch * n_h * tokens * 4
+    logits = 2 * batch * cfg.vocab_size * 4
+    return batch * tokens * layer_cache + expanded + scores + logits
+
+
+def point_memory(model, original, batch: int, context: int, steps: int, warmup: int, *,
+                 original_allocated: bool, mla_caches: int) -> dict:
+    """Bytes a grid point needs, and how many of them are not allocated yet (`to_allocate_bytes`)."""
+    tokens = context + steps + warmup + 1
+    caches = mla_caches * batch * tokens * kv_bytes_per_token(model)
+    transient = step_transient_bytes(model, batch, tokens)
+    weights = resident_bytes(model)
+    orig_weights = 0
+    if original is not None:
+        caches += batch * tokens * kv_bytes_per_token(original)
+        transient = max(transient, step_transient_bytes(original, batch, tokens))
+        orig_weights = resident_bytes(original)
+    margin = transient + FIXED_MARGIN
+    to_allocate = caches + margin + (0 if original_allocated else orig_weights)
+    return {"weights_bytes": weights, "original_weights_bytes": orig_weights, "caches_bytes": caches,
+            "margin_bytes": margin, "need_bytes": weights + orig_weights + caches + margin,
+            "to_allocate_bytes": to_allocate}
+
+
 def filled_cache(model, batch: int, context: int, seed: int = 0):
-    """The model's own cache object, with every layer holding `context` random entries per sequence."""
+    """The model's own cache object, with every layer holding `context` random entries per sequence,
+    generated on the model's device in its dtype."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.ones(batch, 1, dtype=torch.long)
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.ones(batch, 1, dtype=torch.long, device=device)
     with torch.inference_mode():
         cache = model(input_ids=ids, use_cache=True).cache
         for layer in cache.layers:
@@ -78,7 +138,8 @@ def filled_cache(model, batch: int, context: int, seed: int = 0):
                 t = getattr(layer, name)
                 shape = list(t.shape)
                 shape[-2] = context
-                setattr(layer, name, torch.randn(shape, generator=g, dtype=torch.float32).to(t.dtype))
+                setattr(layer, name, None)           # free the old entry before the new one exists
+                setattr(layer, name, torch.randn(shape, generator=g, dtype=t.dtype, device=device))
     return cache
 
 
@@ -89,20 +150,25 @@ class _Stepper:
         import torch
 
         self.model, self.batch, self.absorb = model, batch, absorb
+        self.device = next(model.parameters()).device
         self.cache = filled_cache(model, batch, context)
-        self.ids = torch.ones(batch, 1, dtype=torch.long)
+        self.ids = torch.ones(batch, 1, dtype=torch.long, device=self.device)
         self.step_seconds: list[float] = []
 
     def run(self, n: int, record: bool = True) -> None:
         import torch
 
+        from mla.devices import synchronize
+
         if self.absorb is not None:
             self.model.config.absorb_decode = self.absorb
         with torch.inference_mode():
             for _ in range(n):
+                synchronize(self.device)             # nothing queued before the step is counted in it
                 t0 = time.perf_counter()
                 logits = self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits
                 self.ids = logits[:, -1:].argmax(-1)
+                synchronize(self.device)             # the step ends when its kernels have run
                 if record:
                     self.step_seconds.append(time.perf_counter() - t0)
 
@@ -125,26 +191,51 @@ def decode_tokens_per_second(model, batch: int, context: int, steps: int = 8, wa
 
 
 def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, rounds: int = 2,
-                original=None, log=print) -> dict:
+                original=None, log=print, free_memory=None) -> dict:
     """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA).
 
     At each grid point the variants take turns, `rounds` times `steps // rounds` timed steps each, so a
     burst of load from other processes hits all of them alike; tokens/s = batch / median step time.
+    A point whose memory (see `point_memory`) exceeds the device's free memory is skipped: its entry
+    holds status "skipped", the reason and the byte counts. `free_memory()` defaults to the device's.
     """
+    import torch
+
+    from mla import devices
+
+    device = next(model.parameters()).device
+    free_memory = free_memory or (lambda: devices.free_memory_bytes(device))
     is_mla = getattr(model.config, "model_type", "") == "mla_llama"
-    if is_mla and original is None:
-        original = original_twin(model)
+    twin_needed = is_mla and original is None
+    sized_original = original_twin(model, device="meta") if twin_needed else original
     w_mla, kv_mla = weight_bytes(model), kv_bytes_per_token(model)
     out = {"steps": steps, "warmup": warmup, "rounds": rounds, "statistic": "batch / median step time",
-           "threads": _threads(), "weight_bytes": w_mla, "kv_bytes_per_token": kv_mla, "grid": []}
-    if original is not None:
-        w_orig, kv_orig = weight_bytes(original), kv_bytes_per_token(original)
+           "timing": "perf_counter around each step, with device synchronisation before and after",
+           "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+           "threads": torch.get_num_threads(), "weight_bytes": w_mla, "kv_bytes_per_token": kv_mla, "grid": []}
+    if sized_original is not None:
+        w_orig, kv_orig = weight_bytes(sized_original), kv_bytes_per_token(sized_original)
         out.update(original_weight_bytes=w_orig, original_kv_bytes_per_token=kv_orig,
-                   original_weights="random (same shapes)" if is_mla else "given")
+                   original_weights="random (same shapes)" if twin_needed else "given")
     absorb_before = getattr(model.config, "absorb_decode", None)
     rounds = max(1, min(rounds, steps))
     try:
         for batch, context in grid:
+            mem = point_memory(model, sized_original if is_mla else None, batch, context, steps, warmup,
+                               original_allocated=original is not None, mla_caches=2 if is_mla else 1)
+            free = free_memory()
+            if mem["to_allocate_bytes"] > free:
+                point = {"batch": batch, "context": context, "status": "skipped",
+                         "reason": (f"needs {devices.gib(mem['need_bytes'])} ({devices.gib(mem['to_allocate_bytes'])} "
+                                    f"not yet allocated: caches {devices.gib(mem['caches_bytes'])}, margin "
+                                    f"{devices.gib(mem['margin_bytes'])}) but {devices.gib(free)} is free on {device}"),
+                         "free_bytes": free, **mem}
+                out["grid"].append(point)
+                if log:
+                    log(f"decode {batch}x{context}: skipped: {point['reason']}")
+                continue
+            if twin_needed and original is None:
+                original = original_twin(model, device=device)     # materialised once, for the first point that fits
             if is_mla:
                 names = {"mla_tps": (model, False), "mla_absorbed_tps": (model, True)}
                 if original is not None:
@@ -158,10 +249,13 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
                 n = steps // rounds + (1 if r < steps % rounds else 0)
                 for st in steppers.values():
                     st.run(n)
-            point = {"batch": batch, "context": context,
-                     **{k: st.tokens_per_second() for k, st in steppers.items()}}
+            point = {"batch": batch, "context": context, "status": "ok",
+                     **{k: st.tokens_per_second() for k, st in steppers.items()},
+                     "need_bytes": mem["need_bytes"], "free_bytes": free}
             del steppers
             gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             if is_mla and original is not None:
                 point["speedup"] = point["mla_tps"] / point["original_tps"]
                 point["speedup_absorbed"] = point["mla_absorbed_tps"] / point["original_tps"]
@@ -170,14 +264,8 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
             out["grid"].append(point)
             if log:
                 log("decode " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in point.items()))
+                                         for k, v in point.items() if not k.endswith("_bytes")))
     finally:
         if absorb_before is not None:
             model.config.absorb_decode = absorb_before
     return out
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()

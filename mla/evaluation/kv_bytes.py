@@ -15,7 +15,7 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
 
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    ids = torch.randint(1, vocab, (batch, prompt_len), generator=g)
+    ids = torch.randint(1, vocab, (batch, prompt_len), generator=g).to(next(model.parameters()).device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,

@@ -1,4 +1,11 @@
-"""Perplexity / mean next-token loss of a causal LM on packed token blocks (held-out split)."""
+"""Perplexity / mean next-token loss of a causal LM on packed token blocks (held-out split), with its
+standard error.
+
+Blocks are the sampling unit: tokens within a block are correlated, blocks are (nearly) independent
+draws of held-out text. So the uncertainty of the mean loss m is the standard error of the per-block
+mean losses, SE(m) = sd(block losses) / sqrt(n_blocks) (all blocks hold the same number of tokens, so
+m is also their plain mean), and the perplexity's by the delta method: SE(exp m) = exp(m) · SE(m).
+"""
 
 from __future__ import annotations
 
@@ -26,34 +33,56 @@ def load_blocks(source: str | Path, split: str = "validation") -> np.ndarray:
     return blocks
 
 
+def mean_and_stderr(values) -> tuple[float, float | None]:
+    """Mean and its standard error sd/sqrt(n) (sample sd, n - 1); SE None for fewer than 2 values."""
+    x = np.asarray(values, dtype=np.float64)
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, None
+    return mean, float(x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def evenly_spaced(total: int, n: int) -> np.ndarray:
+    """n distinct row indices spread evenly over range(total), first and last included (n <= total)."""
+    return np.unique(np.linspace(0, total - 1, n).round().astype(np.int64)) if n < total else np.arange(total)
+
+
 def perplexity(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int | None = None,
                max_length: int | None = None) -> dict:
-    """Mean cross-entropy (nats/token) of each block's tokens 1.. given the previous ones, and exp of it.
+    """Mean cross-entropy (nats/token) of each block's tokens 1.. given the previous ones, exp of it, and
+    their standard errors across blocks (see the module docstring).
 
     Every block is scored independently (no cache carried over). `max_length` truncates blocks;
-    `max_blocks` takes the first blocks only (the split order is already shuffled by `mla data`).
+    `max_blocks` takes that many blocks evenly spaced over the split (`mla data` writes the sources
+    interleaved in their shares, so a spread sample keeps the mixture; the first blocks need not).
+    The model runs on its own device; the loss is computed in fp32.
     """
     import torch
 
     n = blocks.shape[0] if max_blocks is None else min(max_blocks, blocks.shape[0])
     if n == 0:
         raise ValueError("no token blocks to evaluate")
+    rows = evenly_spaced(blocks.shape[0], n)
     vocab = model.config.vocab_size
-    total_nll, total_tokens = 0.0, 0
+    device = next(model.parameters()).device
+    block_losses: list[float] = []
+    total_tokens = 0
     model.eval()
     with torch.inference_mode():
         for start in range(0, n, batch_size):
-            chunk = np.array(blocks[start:min(n, start + batch_size)], dtype=np.int64)  # copy off the memmap
+            chunk = np.array(blocks[rows[start:start + batch_size]], dtype=np.int64)  # copy off the memmap
             if max_length:
                 chunk = chunk[:, :max_length]
             if chunk.max() >= vocab:
                 raise ValueError(f"token id {int(chunk.max())} >= the model's vocab size {vocab}: "
                                  "blocks were made with another tokenizer")
-            ids = torch.from_numpy(chunk)
+            ids = torch.from_numpy(chunk).to(device)
             logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                    reduction="sum")
-            total_nll += float(nll)
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            block_losses += nll.double().mean(dim=1).tolist()
             total_tokens += ids[:, 1:].numel()
-    mean = total_nll / total_tokens
-    return {"blocks": int(n), "tokens": int(total_tokens), "mean_loss": mean, "perplexity": math.exp(mean)}
+    mean, se = mean_and_stderr(block_losses)
+    ppl = math.exp(mean)
+    return {"blocks": int(n), "tokens": int(total_tokens), "mean_loss": mean, "mean_loss_stderr": se,
+            "perplexity": ppl, "perplexity_stderr": None if se is None else ppl * se,
+            "stderr_method": "per-block mean losses: SE = sd/sqrt(blocks); perplexity by the delta method exp(m)*SE(m)"}

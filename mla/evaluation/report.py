@@ -3,17 +3,24 @@
 Layout (schema "mla.evaluation/1"); a section not requested is null, a benchmark that could not run
 says so in "status"/"reason" and carries no numbers:
 
-    checkpoint, variant, model_type, is_mla, d_kv, r, params, dtype, threads, created, versions,
+    checkpoint, variant, model_type, is_mla, d_kv, r, params, device, dtype, threads, created, versions,
     kv_cache     {cache_class, batch, cached_tokens, dtype, cache_bytes, elements_per_token,
                   bytes_per_token_formula, bytes_per_token_measured, matches_formula}
-    perplexity   {source, split, blocks, tokens, mean_loss, perplexity}
-    benchmarks   {local: {task, acc, acc_norm, n, ...} | null,
-                  paper: {status: ok|partial|skipped, reason?, scores{mmlu, arc, piqa, hellaswag,
-                          openbookqa, winogrande}, average} | null}
-    decode       {steps, weight_bytes, kv_bytes_per_token, original_*, grid: [{batch, context,
-                  mla_tps, mla_absorbed_tps, original_tps, speedup, speedup_absorbed,
-                  predicted_speedup, fraction_of_predicted} | {batch, context, model_tps}]}
+    perplexity   {source, split, blocks, tokens, mean_loss, mean_loss_stderr, perplexity,
+                  perplexity_stderr, stderr_method}
+    benchmarks   {local: {task, acc, acc_stderr, acc_norm, acc_norm_stderr, n, ...} | null,
+                  paper: {status: ok|partial|skipped, reason?, documents, scores{mmlu, arc, piqa,
+                          hellaswag, openbookqa, winogrande}, scores_stderr{...}, n{...},
+                          average, average_stderr, per_task{task: {score, stderr, n}}} | null}
+    decode       {steps, device, dtype, weight_bytes, kv_bytes_per_token, original_*, grid: [
+                  {batch, context, status: ok, mla_tps, mla_absorbed_tps, original_tps, speedup,
+                   speedup_absorbed, predicted_speedup, fraction_of_predicted, need_bytes, free_bytes}
+                  | {batch, context, status: ok, model_tps, ...}
+                  | {batch, context, status: skipped, reason, need_bytes, free_bytes, ...}]}
     seconds      {stage: wall seconds}
+
+Every accuracy and perplexity carries its standard error in a sibling `*_stderr` field (None where
+it cannot be estimated, e.g. from a single block); see perplexity.py and harness.py for the methods.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCHEMA = "mla.evaluation/1"
-TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "dtype",
+TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",
                     "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "seconds")
 
 
@@ -74,6 +81,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     result = {k: None for k in TOP_LEVEL_FIELDS}
     result.update(schema=SCHEMA, checkpoint=str(checkpoint), variant=variant, model_type=cfg.model_type,
                   is_mla=is_mla, d_kv=prov.get("d_kv"), r=prov.get("r"), params=count_parameters(model),
+                  device=str(next(model.parameters()).device),
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                   threads=torch.get_num_threads(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   versions=_versions(), benchmarks={"local": None, "paper": None}, seconds={})
@@ -108,7 +116,8 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
         if opts.original:
             from mla.checkpoint import load_model
 
-            original = load_model(opts.original, dtype=next(model.parameters()).dtype).eval()
+            first = next(model.parameters())
+            original = load_model(opts.original, dtype=first.dtype).to(first.device).eval()
         result["decode"] = stage("decode", lambda: decode.decode_grid(
             model, opts.decode_grid, steps=opts.decode_steps, original=original, log=log))
     return result
@@ -131,19 +140,24 @@ def flat_metrics(result: dict) -> dict:
         m["eval/kv_bytes_per_token"] = kv["bytes_per_token_measured"]
         m["eval/kv_elements_per_token"] = kv["elements_per_token"]
     ppl = result.get("perplexity") or {}
-    if ppl:
-        m["eval/perplexity"] = ppl["perplexity"]
-        m["eval/mean_loss"] = ppl["mean_loss"]
+    for k in ("perplexity", "perplexity_stderr", "mean_loss", "mean_loss_stderr"):
+        if ppl.get(k) is not None:
+            m[f"eval/{k}"] = ppl[k]
     local = (result.get("benchmarks") or {}).get("local") or {}
-    for k in ("acc", "acc_norm"):
+    for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
         if local.get(k) is not None:
             m[f"eval/{local['task']}_{k}"] = local[k]
     paper = (result.get("benchmarks") or {}).get("paper") or {}
+    stderrs = paper.get("scores_stderr") or {}
     for k, v in (paper.get("scores") or {}).items():
         if v is not None:
             m[f"eval/{k}_acc_norm"] = v
+        if stderrs.get(k) is not None:
+            m[f"eval/{k}_acc_norm_stderr"] = stderrs[k]
     if paper.get("average") is not None:
         m["eval/paper_avg"] = paper["average"]
+    if paper.get("average_stderr") is not None:
+        m["eval/paper_avg_stderr"] = paper["average_stderr"]
     for p in (result.get("decode") or {}).get("grid", []):
         tag = f"B{p['batch']}_T{p['context']}"
         for k in ("speedup", "speedup_absorbed", "predicted_speedup", "mla_absorbed_tps", "original_tps",

@@ -1,5 +1,9 @@
 # 2-norm partial-RoPE scores, once per source model, from token blocks of the training data.
 
+# The device is a machine choice, kept out of `params:` so that switching it never reruns the science
+# downstream; `gpu` asks the scheduler for one GPU, `cpu` for none.
+CALIBRATE_DEVICE = "cuda" if config["calibrate"]["device"] == "gpu" else "cpu"
+
 
 rule calibrate:
     input:
@@ -14,6 +18,8 @@ rule calibrate:
     benchmark:
         "benchmarks/calibrate/{model}.tsv"
     threads: 2
+    resources:
+        gpu=1 if CALIBRATE_DEVICE == "cuda" else 0,
     shell:
         "OMP_NUM_THREADS={threads} {MLA} calibrate --model {input.model} --data {input.data}"
-        " --samples {params.samples} --out {output} > {log} 2>&1"
+        " --samples {params.samples} --device {CALIBRATE_DEVICE} --out {output} > {log} 2>&1"
