@@ -1,23 +1,48 @@
-"""`mla plan`: what a conversion gives (parameters, KV elements), from the config alone."""
+"""`mla plan`: what a conversion gives (parameters, KV elements), or with --train the per-GPU memory of a
+training job (model states per ZeRO stage, activations, buffers), from the config alone."""
 
-HELP = "print parameter counts and KV-cache size before/after conversion as JSON, without loading weights"
+HELP = ("print parameter counts and KV-cache size before/after conversion, or (--train) the per-GPU memory of "
+        "a training job, as JSON, without loading weights")
 
 
 def add_arguments(p):
     p.add_argument("--base", required=True,
                    help="config.json, a checkpoint folder, or a named shape: llama-2-7b, smollm-135m")
     p.add_argument("--d-kv", type=int, action="append",
-                   help="latent size per KV head (repeatable; default d_h/2, d_h/4, d_h/8)")
+                   help="latent size per KV head (repeatable; default d_h/2, d_h/4, d_h/8); with --train: plan the "
+                        "converted model (once)")
     p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16)")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
+    g = p.add_argument_group("training memory (--train; per GPU, bytes; see mla/training/memory.py)")
+    g.add_argument("--train", action="store_true", help="plan the memory of one training job instead")
+    g.add_argument("--nproc", type=int, help="GPUs (processes) per node")
+    g.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    g.add_argument("--micro-batch", type=int, help="sequences per GPU per forward pass")
+    g.add_argument("--seq", type=int, help="tokens per sequence (block length)")
+    g.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (default 2)")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
+    g.add_argument("--offload", action="store_true", help="optimizer states (and fp32 gradients) on the CPU")
+    g.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="default bf16")
+    g.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
+                   help="attention kernel (default sdpa: no s x s matrix kept)")
+    g.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GB, 141GB, 80GiB: adds usable_bytes and fits")
 
 
 def run(args):
     import json
 
-    from mla import convert, partial_rope, shapes
+    from mla import shapes
+    from mla.errors import UserError
 
     config = shapes.read_config(args.base)
+    if args.train:
+        return _run_train(args, config)
+    for flag in ("nproc", "micro_batch", "seq", "gpu_memory"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag.replace('_', '-')} plans a training job: add --train")
+
+    from mla import convert, partial_rope
+
     s = shapes.shape_of(config)
     r = partial_rope.default_r(s.head_dim) if args.r is None else args.r
     d_kvs = args.d_kv or [s.head_dim // 2, s.head_dim // 4, s.head_dim // 8]
@@ -26,4 +51,32 @@ def run(args):
         convert.resolve_options(config, d_kv, r, "high", args.svd)
         rows.append(shapes.plan(config, d_kv, r, split=args.svd == "split"))
     print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
+    return 0
+
+
+def _run_train(args, config) -> int:
+    import json
+
+    from mla.errors import UserError
+    from mla.training.memory import parse_memory, plan_training
+
+    for flag in ("nproc", "micro_batch", "seq"):
+        if getattr(args, flag) is None:
+            raise UserError(f"--train needs --{flag.replace('_', '-')}")
+    if args.d_kv and len(args.d_kv) > 1:
+        raise UserError("--train plans one model: give --d-kv once")
+    d_kv = args.d_kv[0] if args.d_kv else None
+    r = args.r
+    if d_kv is not None:   # the same checks as the conversion (family, rank, r range)
+        from mla import convert
+
+        r, _ = convert.resolve_options(config, d_kv, r, "high", args.svd)
+    elif r is not None:
+        raise UserError("--r needs --d-kv (it plans the converted model)")
+    plan = plan_training(config, nproc=args.nproc, nodes=args.nodes, micro_batch=args.micro_batch, seq=args.seq,
+                         zero_stage=args.zero_stage, gradient_checkpointing=args.gradient_checkpointing,
+                         offload=args.offload, precision=args.precision, d_kv=d_kv, r=r, svd=args.svd,
+                         attention=args.attention,
+                         gpu_memory_bytes=parse_memory(args.gpu_memory) if args.gpu_memory else None)
+    print(json.dumps(plan, indent=2))
     return 0

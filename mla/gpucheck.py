@@ -1,0 +1,452 @@
+"""`scripts/gpu-check`: issue 9's facts on one GPU, in under 8 minutes, as one JSON summary.
+
+(a) training throughput: bf16 ZeRO-2 steps of a SmolLM-135M-shaped model (random weights, local data) through
+    `mla train` (the Trainer + DeepSpeed path of the workflow); tokens/s and model FLOPs utilisation
+    MFU = 6·N·tokens/s / peak bf16 FLOP/s (N = parameters; attention's own FLOPs are not counted), the peak looked
+    up by GPU name (`--peak-tflops` overrides).
+(b) the memory plan (`mla.training.memory`) against the allocator:
+    - activations: one forward + backward of the exact Llama-2-7B shape (32 layers, bf16, micro-batch 1 x 4096
+      tokens), with and without gradient checkpointing: peak minus what was allocated before (params and
+      pre-allocated gradients), against the plan's `activations_bytes`;
+    - model states: one GPU cannot hold 7B ZeRO-2 states (20 bytes/param = 135 GB at N = 1), so the same
+      layer shapes with fewer layers (`--states-layers`, default 8 of 32) go through DeepSpeed ZeRO-2 itself:
+      the bytes of the bf16 params, of `deepspeed.initialize` (fp32 master partition), of the first step (Adam
+      states) and the peak of a later step (everything) against the plan's params, optimizer and total.
+(c) decode: absorbed MLA (random weights at Llama-2-7B shapes, `--decode-d-kv`, r = 8, bf16) against a random
+    original twin, batch 8 and 32 at context 4096, beside the predicted S(B,T) (`mla.evaluation.decode`).
+
+Without CUDA it prints why and exits 0. `--device cpu --tiny` runs the same code on tiny shapes on the CPU
+(fp32 training, the CPU profiler's memory events as the allocator), which is what the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mla import shapes
+from mla.training import memory
+
+# dense bf16 tensor-core peak FLOP/s by GPU name (first match wins; datasheet values, no sparsity)
+PEAK_BF16_FLOPS = [("H200", 989.4e12), ("GH200", 989.4e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
+                   ("H100", 989.4e12), ("H800", 989.4e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+                   ("L4", 121e12), ("B200", 2250e12)]
+
+TINY_SMOLLM = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
+TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 512, "tie_word_embeddings": False}
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def llama_config(name: str, tiny: bool, **change) -> dict:
+    """A named shape's config.json (or its tiny stand-in), with `change` applied."""
+    config = shapes.read_config(name)
+    config.pop("_source", None)
+    if tiny:
+        config.update(TINY_SMOLLM if name == "smollm-135m" else TINY_LLAMA)
+    config.update(change)
+    return config
+
+
+# ---------------------------------------------------------------- the allocator's bytes
+class MemoryMeter:
+    """Allocator bytes of named phases, relative to the meter's start: {start, peak, end} per phase.
+
+    CUDA: `memory_allocated` / `max_memory_allocated` (peak reset per phase). CPU: the profiler's memory
+    events (every allocation and free of the CPU allocator, in order) summed into a timeline, read
+    inside `record_function` markers of the phases.
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self.phases: dict[str, dict] = {}
+        self._marks: list[str] = []
+
+    def __enter__(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device) - self.base
+            yield
+            torch.cuda.synchronize(self.device)
+            self.phases[name] = {"start": start, "peak": torch.cuda.max_memory_allocated(self.device) - self.base,
+                                 "end": torch.cuda.memory_allocated(self.device) - self.base}
+        else:
+            self._marks.append(name)
+            with torch.profiler.record_function(f"meter::{name}"):
+                yield
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            return False
+        self.prof.__exit__(*exc)
+        if exc[0] is not None:
+            return False
+        events = self.prof.profiler.kineto_results.events()
+        allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        spans = {e.name()[len("meter::"):]: (e.start_ns(), e.end_ns()) for e in events
+                 if e.name().startswith("meter::")}
+        for name in self._marks:
+            t0, t1 = spans[name]
+            level, start, peak = 0, None, None
+            for t, nbytes in allocs:
+                if t >= t0 and start is None:
+                    start = peak = level
+                if t > t1:
+                    break
+                level += nbytes
+                if start is not None:
+                    peak = max(peak, level)
+            start = level if start is None else start
+            self.phases[name] = {"start": start, "peak": max(peak if peak is not None else start, start),
+                                 "end": level}
+        return False
+
+    def delta_peak(self, name: str) -> int:
+        """Peak of a phase above what was allocated when it began."""
+        p = self.phases[name]
+        return p["peak"] - p["start"]
+
+
+def fresh_model(config: dict, device, dtype, latent: dict | None = None):
+    """A random LlamaForCausalLM (or MLAForCausalLM) built directly on `device` in `dtype`, train mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("model_type", "architectures")}
+    if latent:
+        from mla.modeling import MLAConfig, MLAForCausalLM
+
+        cfg = MLAConfig(**values, kv_lora_rank=values["num_key_value_heads"] * latent["d_kv"],
+                        qk_rope_head_dim=2 * latent["r"])
+        cls = MLAForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**values), LlamaForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls._from_config(cfg, dtype=dtype)
+    return model
+
+
+def measure_activations(model, *, micro_batch: int, seq: int, gradient_checkpointing: bool, device) -> int:
+    """Peak bytes above params + gradients of one forward + backward, as the Trainer runs it.
+
+    Gradients are allocated (zeros) before, so the backward accumulates into them instead of allocating
+    them; the loss is taken from the output and the output dropped before the backward (as Trainer does).
+    One unmeasured pass first, so lazily built state (RoPE tables, kernels' workspaces) is not counted.
+    """
+    import torch
+
+    model.train()
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    else:
+        model.activation_checkpointing_disable()
+    model.config.use_cache = False
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), generator=g).to(device)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+
+    step()
+    with MemoryMeter(device) as meter:
+        with meter.phase("fwd_bwd"):
+            step()
+    return meter.delta_peak("fwd_bwd")
+
+
+# ---------------------------------------------------------------- (a) training throughput
+def training_throughput(work: Path, *, tiny: bool, device: str, steps: int, micro_batch: int, seq: int,
+                        peak: float | None, log) -> dict:
+    """bf16 ZeRO-2 steps through `mla train`; tokens/s from its metrics.csv (median over the steps after warm-up)."""
+    import torch
+
+    from mla.data import build_dataset
+    from mla.testing import tiny_tokenizer
+
+    config = llama_config("smollm-135m", tiny)
+    model_dir, data_dir, out_dir = work / "smollm-shaped", work / "data", work / "train"
+    model = fresh_model(config, "cpu", torch.float32)
+    model.save_pretrained(model_dir)
+    tiny_tokenizer(512).save_pretrained(model_dir)
+    del model
+    corpus = work / "corpus.yaml"
+    corpus.write_text("name: stdlib\nsources:\n  - {name: python-stdlib, weight: 1, kind: python_stdlib}\n")
+    build_dataset(str(corpus), model_dir, data_dir, block_length=seq, train_tokens=32 * seq, validation_tokens=2 * seq,
+                  validation_fraction=0.05, seed=0, workers=min(4, os.cpu_count() or 1), log=lambda *a: None)
+    precision = "fp32" if device == "cpu" else "bf16"
+    cmd = [sys.executable, "-m", "mla", "train", "--model", str(model_dir), "--data", str(data_dir),
+           "--out", str(out_dir), "--steps", str(steps), "--warmup-steps", "1", "--decay-steps", "1",
+           "--micro-batch", str(micro_batch), "--global-batch", str(micro_batch), "--zero-stage", "2",
+           "--precision", precision, "--device", device, "--nproc", "1", "--no-mlflow",
+           "--save-steps", str(10 * steps), "--log-steps", "1"]
+    # a fresh single-process job: none of this process's rendezvous variables (part (b) set them)
+    env = {k: v for k, v in os.environ.items() if k not in
+           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"mla train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(out_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    skip = min(3, len(rows) - 1)
+    tps = statistics.median(float(r["tokens_per_second"]) for r in rows[skip:])
+    n_params = memory.total_params(shapes.shape_of(config), tied=bool(config.get("tie_word_embeddings")))
+    flops = 6 * n_params * tps
+    result = {"model": "SmolLM-135M shape" + (" (tiny)" if tiny else ""), "parameters": n_params,
+              "precision": precision, "zero_stage": 2, "micro_batch": micro_batch, "seq": seq, "steps": steps,
+              "tokens_per_second": round(tps, 1), "model_flops_per_second": flops,
+              "peak_flops": peak, "mfu": None if not peak else round(flops / peak, 4),
+              "statistic": f"median over steps {skip + 1}..{len(rows)}", "wall_s": round(time.time() - t0, 1),
+              "losses": [float(r["loss"]) for r in rows]}
+    log(f"(a) {tps:.0f} tokens/s, MFU {result['mfu']}")
+    return result
+
+
+# ---------------------------------------------------------------- (b) the memory plan
+def activation_check(*, tiny: bool, device, micro_batch: int, seq: int, log) -> dict:
+    """Measured activation peak of the 7B shape (bf16) with and without checkpointing, against the plan."""
+    import gc
+
+    import torch
+
+    dtype = torch.float32 if torch.device(device).type == "cpu" and tiny else torch.bfloat16
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    config = llama_config("llama-2-7b", tiny)
+    model = fresh_model(config, device, dtype)
+    rows = []
+    for ckpt in (True, False):
+        measured = measure_activations(model, micro_batch=micro_batch, seq=seq, gradient_checkpointing=ckpt,
+                                       device=device)
+        plan = memory.plan_training(config, nproc=1, micro_batch=micro_batch, seq=seq, zero_stage=2,
+                                    gradient_checkpointing=ckpt, precision=precision)
+        rows.append({"gradient_checkpointing": ckpt, "measured_bytes": measured,
+                     "plan_bytes": plan["activations_bytes"], "measured_over_plan": round(measured / plan["activations_bytes"], 4),
+                     "plan_peak_at": plan["breakdown"]["activations"]["peak_at"]})
+        log(f"(b) activations, checkpointing {ckpt}: measured {measured / 1e6:.1f} MB, plan "
+            f"{plan['activations_bytes'] / 1e6:.1f} MB")
+    del model
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return {"shape": "Llama-2-7B" + (" (tiny)" if tiny else ""), "layers": config["num_hidden_layers"],
+            "precision": precision, "micro_batch": micro_batch, "seq": seq, "rows": rows}
+
+
+def _filled_deepspeed_config(precision: str, cuda: bool, micro_batch: int) -> dict:
+    """The workflow's DeepSpeed config (mla.training.deepspeed_config) with the Trainer's "auto" values filled."""
+    from mla.training.config import TrainConfig
+    from mla.training.deepspeed_config import deepspeed_config
+
+    cfg = TrainConfig(model="-", data="-", out="-", zero_stage=2, precision=precision, micro_batch=micro_batch)
+    ds = deepspeed_config(cfg, cuda)
+    ds.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1, train_batch_size=micro_batch)
+    ds["bf16"] = {"enabled": precision == "bf16"}
+    return ds
+
+
+def model_states_check(*, tiny: bool, device, layers: int, micro_batch: int, seq: int, log) -> dict:
+    """DeepSpeed ZeRO-2 on one rank with the 7B layer shapes (fewer layers): each phase's bytes against the plan."""
+    import gc
+
+    import torch
+
+    from mla.training import launch
+
+    cuda = torch.device(device).type == "cuda"
+    precision = "bf16" if cuda else "fp32"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = llama_config("llama-2-7b", tiny, num_hidden_layers=layers)
+    plan = memory.plan_training(config, nproc=1, micro_batch=micro_batch, seq=seq, zero_stage=2,
+                                gradient_checkpointing=True, precision=precision, overlap_comm=cuda)
+    launch.prepare_environment(cuda)
+    launch.single_process_environment(None)
+    if not cuda:
+        launch.skip_shm_build()
+    import deepspeed
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, config["vocab_size"], (micro_batch, seq), generator=g).to(device)
+    with MemoryMeter(device) as meter:
+        with meter.phase("model"):
+            model = fresh_model(config, device, dtype)
+            model.activation_checkpointing_enable()
+            model.config.use_cache = False
+        with meter.phase("initialize"):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda or None)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                              config=_filled_deepspeed_config(precision, cuda, micro_batch))
+        for step in (1, 2):
+            with meter.phase(f"step{step}"):
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                del loss
+    ph = meter.phases
+    measured = {
+        "params_bytes": ph["model"]["end"] - ph["model"]["start"],
+        "initialize_bytes": ph["initialize"]["end"] - ph["initialize"]["start"],
+        "first_step_kept_bytes": ph["step1"]["end"] - ph["step1"]["start"],
+        "steady_state_bytes": ph["step2"]["start"],
+        "peak_bytes": ph["step2"]["peak"],
+    }
+    p = plan
+    n = p["model"]["parameters"]
+    expected = {
+        "params_bytes": p["params_bytes"],
+        "initialize_bytes": 4 * n,                       # fp32 master partition (N = 1)
+        "first_step_kept_bytes": 8 * n,                  # Adam m and v
+        "steady_state_bytes": p["params_bytes"] + 12 * n,
+        "peak_bytes": p["total_bytes"],
+    }
+    ratios = {k: round(measured[k] / expected[k], 4) if expected[k] else None for k in measured}
+    log(f"(b) ZeRO-2 states, {layers} layers, measured/plan: "
+        + ", ".join(f"{k} {measured[k] / 1e6:.1f}/{expected[k] / 1e6:.1f} MB" for k in measured))
+    engine.destroy() if hasattr(engine, "destroy") else None
+    del engine, model, optimizer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"shape": f"Llama-2-7B layers x {layers}" + (" (tiny)" if tiny else ""), "precision": precision,
+            "micro_batch": micro_batch, "seq": seq, "gradient_checkpointing": True, "measured": measured,
+            "plan": expected, "measured_over_plan": ratios,
+            "plan_components": {k: p[k] for k in ("params_bytes", "gradients_bytes", "optimizer_bytes",
+                                                  "activations_bytes", "buffers_bytes", "total_bytes")},
+            "phases": ph}
+
+
+# ---------------------------------------------------------------- (c) decode
+def decode_check(*, tiny: bool, device, d_kv: int, r: int, grid, steps: int, log) -> dict:
+    import gc
+
+    import torch
+
+    from mla.evaluation.decode import decode_grid
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    config = llama_config("llama-2-7b", tiny)
+    model = fresh_model(config, device, dtype, latent={"d_kv": d_kv, "r": r}).eval()
+    out = decode_grid(model, grid, steps=steps, warmup=2, rounds=2, log=lambda m: log(f"(c) {m}"))
+    del model
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return {"shape": "Llama-2-7B" + (" (tiny)" if tiny else ""), "d_kv": d_kv, "r": r, **out}
+
+
+# ---------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: CUDA when present, else skip (exit 0); cpu: run on the CPU (use with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (seconds; what the CPU test runs)")
+    p.add_argument("--out", default="gpu-check.json", help="where the JSON summary goes (default gpu-check.json)")
+    p.add_argument("--parts", default="a,b,c", help="which checks: a (train), b (memory), c (decode)")
+    p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the GPU (default: by its name)")
+    p.add_argument("--train-steps", type=int, help="steps of (a) (default 30; tiny 4)")
+    p.add_argument("--train-micro-batch", type=int, help="micro-batch of (a) (default 16 x 2048 tokens; tiny 2 x 64)")
+    p.add_argument("--states-layers", type=int, help="7B-shaped layers in the ZeRO-2 states check (default 8; tiny 2)")
+    p.add_argument("--decode-d-kv", type=int, default=32, help="d_kv of the MLA model in (c) (default 32; tiny 8)")
+    p.add_argument("--workdir", help="scratch folder (default: a temporary one)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)   # noqa: E731
+    import torch
+
+    if args.device == "auto":
+        if not torch.cuda.is_available():
+            summary = {"status": "skipped", "reason": "no CUDA device visible to torch (torch.cuda.is_available() is "
+                                                      "False); `--device cpu --tiny` rehearses the same code on the CPU"}
+            print(json.dumps(summary, indent=2))
+            Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+            return 0
+        args.device = "cuda"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: error: --device cuda: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    tiny, device = args.tiny, args.device
+    parts = set(args.parts.split(","))
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    summary = {"status": "ok", "device": name, "tiny": tiny, "torch": torch.__version__,
+               "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None}
+    peak = peak_flops(name, args.peak_tflops) if device == "cuda" else (args.peak_tflops or 0) * 1e12 or None
+    seq = 256 if tiny else 4096
+    timings, t0 = {}, time.time()
+    with contextlib.ExitStack() as stack:
+        work = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        work.mkdir(parents=True, exist_ok=True)
+        # memory first (the GPU is empty), decode next (the largest caches), training last (a separate process)
+        if "b" in parts:
+            t = time.time()
+            summary["activations"] = activation_check(tiny=tiny, device=device, micro_batch=1, seq=seq, log=log)
+            summary["model_states"] = model_states_check(tiny=tiny, device=device,
+                                                         layers=args.states_layers or (2 if tiny else 8),
+                                                         micro_batch=1, seq=seq, log=log)
+            timings["b"] = round(time.time() - t, 1)
+        if "c" in parts:
+            t = time.time()
+            grid = [(2, 64), (4, 64)] if tiny else [(8, 4096), (32, 4096)]
+            d_kv = 8 if tiny and args.decode_d_kv == 32 else args.decode_d_kv
+            summary["decode"] = decode_check(tiny=tiny, device=device, d_kv=d_kv, r=2 if tiny else 8, grid=grid,
+                                             steps=4 if tiny else 16, log=log)
+            timings["c"] = round(time.time() - t, 1)
+        if "a" in parts:
+            t = time.time()
+            summary["training"] = training_throughput(
+                work, tiny=tiny, device=device, steps=args.train_steps or (4 if tiny else 30),
+                micro_batch=args.train_micro_batch or (2 if tiny else 16), seq=64 if tiny else 2048, peak=peak,
+                log=log)
+            timings["a"] = round(time.time() - t, 1)
+    summary["timings_s"] = timings
+    summary["wall_s"] = round(time.time() - t0, 1)
+    text = json.dumps(summary, indent=2, default=str)
+    print(text)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

