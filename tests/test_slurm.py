@@ -1,6 +1,9 @@
-"""The smoke workflow on a real one-node SLURM cluster (munged + slurmctld + slurmd on localhost,
-started here from Debian's packages and stopped by PID at the end), through the repository's
-slurm profile: every job must run as a SLURM job and complete.
+"""The smoke workflow on a real two-node SLURM cluster (munged + slurmctld + one slurmd per node on
+localhost, started here from Debian's packages and stopped by PID at the end), through the repository's
+slurm profile: every job must run as a SLURM job and complete. Then a fine-tuning job with
+train.nodes: 2 runs as one 2-node SLURM job (srun: one torchrun per node, c10d rendezvous) with the
+losses of the 1-node run, `mla train --nodes 2` in a 1-node job stops in one line, and the sbatch
+options of a 2-node GPU job are those the executor plugin builds from the rule's resources.
 
 CI installs the packages (.ci/run: apt-get install slurmctld slurmd slurm-client munge); the test
 skips only when those binaries are absent or it is not root."""
@@ -49,13 +52,14 @@ def pid_alive(pid: int) -> bool:
 def cluster():
     # not under pytest's tmp folders: those are private to root, and munged runs as user munge
     state = Path(tempfile.mkdtemp(prefix="mla-slurm-"))
-    env = {**os.environ, "SLURM_LOCAL_CPUS": "4", "SLURM_LOCAL_MEM_MB": "12000"}
+    env = {**os.environ, "SLURM_LOCAL_NODES": "2", "SLURM_LOCAL_CPUS": "4", "SLURM_LOCAL_MEM_MB": "6000"}
     start = subprocess.run(["bash", str(SCRIPT), "start", str(state)], capture_output=True, text=True,
                            timeout=120, env=env)
     pids = {}
     try:
         assert start.returncode == 0, start.stdout + start.stderr
-        for name, f in (("munged", "munge/munged.pid"), ("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd.pid")):
+        for name, f in (("munged", "munge/munged.pid"), ("slurmctld", "slurmctld.pid"),
+                        ("slurmd-node1", "slurmd-node1.pid"), ("slurmd-node2", "slurmd-node2.pid")):
             pids[name] = int((state / f).read_text())
             assert pid_alive(pids[name]), name
         yield state, {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}
@@ -105,16 +109,29 @@ def squeue_jobs(env) -> dict[str, tuple[str, str]]:
     return {i: (s, c) for i, s, c in (line.split("|", 2) for line in out.splitlines() if line)}
 
 
-def test_smoke_workflow_runs_every_job_on_slurm(cluster, tmp_path):
-    state, env = cluster
-    before = set(squeue_jobs(env))
-    work = tmp_path / "work"
-    work.mkdir()
+def run_workflow(env, work: Path, profile: Path, configfile: Path, *targets: str) -> subprocess.CompletedProcess:
     cmd = ["timeout", "-s", "KILL", str(WORKFLOW_TIMEOUT), sys.executable, "-m", "snakemake",
-           "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile", str(SMOKE),
-           "--profile", str(test_profile(tmp_path))]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
-                       timeout=WORKFLOW_TIMEOUT + 30)
+           "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile", str(configfile),
+           "--profile", str(profile), *targets]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+                          timeout=WORKFLOW_TIMEOUT + 30)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(cluster, tmp_path_factory):
+    """The smoke workflow through the profile: (workdir, profile folder, snakemake result, jobs before it)."""
+    state, env = cluster
+    tmp = tmp_path_factory.mktemp("smoke")
+    before = set(squeue_jobs(env))
+    work = tmp / "work"
+    work.mkdir()
+    profile = test_profile(tmp)
+    return work, profile, run_workflow(env, work, profile, SMOKE), before
+
+
+def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
+    state, env = cluster
+    work, _profile, r, before = smoke_run
     out = r.stdout + r.stderr
     ctld_log = (state / "log/slurmctld.log").read_text()
     assert r.returncode == 0, f"rc={r.returncode}\n{out[-6000:]}\n--- slurmctld.log\n{ctld_log[-3000:]}"
@@ -153,3 +170,114 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, tmp_path):
     for f in run_files:
         tags = client.get_run(json.loads(f.read_text())["mlflow_run_id"]).data.tags
         assert tags.get("slurm_job_id") in jobs, (f, tags.get("slurm_job_id"))
+
+
+def scontrol_job(job_id: str, env) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster, smoke_run, tmp_path):
+    """train.nodes: 2 (x nproc 1, micro batch 1: the smoke run's global batch 2) re-runs one finetune job."""
+    state, env = cluster
+    work, profile, smoke, _ = smoke_run
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    target = "results/finetune/gqa2mla/dkv8"
+    one_node = [float(r["loss"]) for r in csv.DictReader(open(work / target / "metrics.csv"))]
+
+    config = yaml.safe_load(SMOKE.read_text())
+    config["train"].update(nodes=2, micro_batch_size=1)
+    configfile = tmp_path / "two-nodes.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    before = set(squeue_jobs(env))
+    r = run_workflow(env, work, profile, configfile, f"{target}/run.json")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:] + (work / "logs/finetune/gqa2mla/dkv8.log").read_text()[-3000:]
+
+    # one SLURM job for the run, on both nodes, one task (launcher) per node
+    jobs = {i: c for i, (_, c) in squeue_jobs(env).items() if i not in before}
+    [(job_id, comment)] = jobs.items()
+    assert comment.startswith("rule_finetune_wildcards_gqa2mla_dkv8"), comment
+    record = scontrol_job(job_id, env)
+    assert record["JobState"] == "COMPLETED"
+    assert (record["NumNodes"], record["NumTasks"], record["NodeList"]) == ("2", "2", "node[1-2]"), record
+
+    # inside: srun started one torchrun per node, ranks 0 and 1 ran on different nodes
+    log = (work / "logs/finetune/gqa2mla/dkv8.log").read_text()
+    assert f"srun --jobid={job_id} --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1" in log
+    nodes = sorted(m.group(1) for m in re.finditer(r"rank \d+ on (\S+) holds", log))
+    assert nodes == ["node1", "node2"], log[-3000:]
+    info = json.loads((work / target / "run.json").read_text())
+    assert info["world_size"] == 2 and info["config"]["nodes"] == 2
+    two_nodes = [float(r["loss"]) for r in csv.DictReader(open(work / target / "metrics.csv"))]
+    assert len(two_nodes) == len(one_node) and max(abs(a - b) for a, b in zip(one_node, two_nodes)) <= 1e-5
+    assert list((work / "results/checkpoints/gqa2mla/dkv8").iterdir()) == []  # deleted after success
+
+
+def test_nodes_the_job_does_not_have_stop_in_one_line(cluster, smoke_run, tmp_path):
+    state, env = cluster
+    work, _profile, smoke, _ = smoke_run
+    assert smoke.returncode == 0
+    out = tmp_path / "job.out"
+    train = (f"{sys.executable} -m mla train --model {work}/results/convert/gqa2mla/dkv8 "
+             f"--data {work}/results/data/tiny-gqa --out {tmp_path}/run --nodes 2 --no-mlflow")
+    job_id = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--mem=500", "-o", str(out),
+                             "--wrap", train], capture_output=True, text=True, env=env, check=True).stdout.strip()
+    for _ in range(300):
+        if squeue_jobs(env).get(job_id, ("PENDING",))[0] in ("COMPLETED", "FAILED"):
+            break
+        time.sleep(0.5)
+    lines = out.read_text().strip().splitlines()
+    assert lines[-1] == (f"mla train: error: --nodes 2 (train.nodes): SLURM job {job_id} has 1 node(s); submit it "
+                         "with --nodes=2 (the workflow's finetune rule does) or set train.nodes to 1"), lines
+    assert squeue_jobs(env)[job_id][0] == "FAILED"
+    assert not (tmp_path / "run").exists()
+
+
+def finetune_job_of_dry_run(env, tmp_path, train: dict):
+    """The finetune job (threads and resources) Snakemake plans for the smoke config with `train` changes,
+    through the repository's slurm profile (--cores 64: threads are not capped by this small machine)."""
+    from types import SimpleNamespace
+
+    config = yaml.safe_load(SMOKE.read_text())
+    config["train"].update(train)
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "w"),
+                        "--configfile", str(configfile), "--profile", str(ROOT / "workflow/profiles/slurm"), "-n",
+                        "--cores", "64", "results/finetune/gqa2mla/dkv8/run.json"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    block = (r.stdout + r.stderr).split("rule finetune:", 1)[1]
+    resources = dict(kv.split("=", 1) for kv in re.search(r"resources: (.*)", block).group(1).split(", "))
+
+    class Resources(dict):
+        __getattr__ = dict.get
+
+    return SimpleNamespace(resources=Resources({k: int(v) if v.isdigit() else v for k, v in resources.items()}),
+                           threads=int(re.search(r"threads: (\d+)", block).group(1)))
+
+
+def test_sbatch_options_of_a_two_node_gpu_job(cluster, tmp_path):
+    """The executor plugin's own sbatch builder on the finetune job's resources, as Snakemake evaluates them
+    for train.nodes: 2 x nproc 8 GPUs (dry run: no GPU is needed to build the command)."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    state, env = cluster
+    params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_finetune", "account": "",
+              "partition": "", "workdir": str(tmp_path)}
+    job = finetune_job_of_dry_run(env, tmp_path, dict(nodes=2, nproc=8, device="gpu", micro_batch_size=1,
+                                                      batch_size=16))
+    call = get_submit_command(job, params) + set_gres_string(job)
+    assert "--nodes=2" in call and "--gres=gpu:8" in call, call  # 8 GPUs on each of the 2 nodes
+    assert "--gpus=" not in call and "--ntasks-per-gpu" not in call, call  # neither a job total nor 16 tasks
+    assert "--cpus-per-task=32" in call, call  # the profile's finetune threads, for the launcher of each node
+    assert job.resources["torch_threads"] == 4  # 32 cores / 8 processes
+    # one node, as before: --gpus=nproc
+    job = finetune_job_of_dry_run(env, tmp_path, dict(nodes=1, nproc=8, device="gpu", micro_batch_size=1,
+                                                      batch_size=8))
+    call = get_submit_command(job, params) + set_gres_string(job)
+    assert "--nodes=1" in call and "--gpus=8" in call, call
+    assert "--gres" not in call and "--ntasks-per-gpu" not in call, call

@@ -1,4 +1,5 @@
-"""`mla train`: outputs, kill-and-resume, MLflow re-attach, guard rails (tiny MLA model, CPU, 1 process)."""
+"""`mla train`: outputs, kill-and-resume, MLflow re-attach, gradient checkpointing, AdamW parameter groups,
+guard rails (tiny MLA model, CPU, 1 process)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     assert (inputs / "resumed.checkpoints" / f"checkpoint-{SAVE}").is_dir()
     assert len(rows(inputs / "resumed.checkpoints" / "metrics.csv")) == KILL_AT
 
-    resumed = train(inputs, "resumed", "--run-name", "resumed")  # the same command again
+    # the same command again, with activation checkpointing switched on: a launch setting that leaves
+    # the trajectory as it was (the recompute is the same arithmetic)
+    resumed = train(inputs, "resumed", "--run-name", "resumed", "--gradient-checkpointing")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     a, b = rows(inputs / "full" / "metrics.csv"), rows(inputs / "resumed" / "metrics.csv")
@@ -57,7 +60,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     assert max(abs(x - y) for x, y in zip(losses_a, ref)) <= 1e-4, (losses_a, ref)
 
     info = json.loads((inputs / "resumed" / "run.json").read_text())
-    assert info["resumed_from"].endswith(f"checkpoint-{SAVE}")
+    assert info["resumed_from"].endswith(f"checkpoint-{SAVE}") and info["resumed_universal"] is False
+    assert info["checkpointed_layers"] == 2  # both decoder layers of the tiny model recompute
+    assert json.loads((inputs / "full" / "run.json").read_text())["checkpointed_layers"] == 0
     assert info["tags"] == {"model": "mla", "variant": "d_kv8", "d_kv": 8}
     model = load_model(inputs / "resumed" / "final")
     assert model.config.model_type == "mla_llama"
@@ -96,6 +101,8 @@ def test_nan_loss_stops_with_the_step(inputs):
     (["--nproc", "2", "--micro-batch", "2", "--global-batch", "6"], "not divisible by ranks x micro batch"),
     (["--global-batch", "8", "--micro-batch", "2", "--grad-accum", "3"], "grad_accum is 3"),
     (["--zero-stage", "0", "--offload"], "offload needs ZeRO"),
+    (["--nodes", "0"], "--nodes must be >= 1"),
+    (["--checkpoint-dir", "a", "--checkpoint-root", "b"], "exclude each other"),
 ])
 def test_bad_configs_fail_before_any_work(inputs, tmp_path, capsys, flags, message):
     out = tmp_path / "run"
@@ -128,16 +135,121 @@ def test_deepspeed_config_is_explicit_where_it_matters(tmp_path):
     cfg = resolve(TrainConfig(model="m", data="d", out=str(tmp_path / "o"), zero_stage=3, clip=0.5, offload=True))
     cpu = deepspeed_config(cfg, cuda=False)
     assert cpu["gradient_clipping"] == 0.5  # DeepSpeed 0.19.8 would clip at 1.0 without the key
-    assert cpu["optimizer"]["params"]["torch_adam"] is True
-    assert cpu["optimizer"]["params"]["betas"] == [0.9, 0.95] and cpu["optimizer"]["params"]["eps"] == 1e-8
+    # no "optimizer" block: the Trainer builds AdamW with parameter groups (see test_parameter_groups_*)
+    assert "optimizer" not in cpu and "scheduler" not in cpu
+    assert cpu["zero_force_ds_cpu_optimizer"] is False  # torch AdamW with offload on a CPU-only machine
     assert cpu["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert cpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert {cpu[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")} \
         == {"auto"}
-    assert "torch_adam" not in deepspeed_config(cfg, cuda=True)["optimizer"]["params"]
+    assert deepspeed_config(cfg, cuda=True)["zero_force_ds_cpu_optimizer"] is True
+    import torch
+
+    from mla.training.optimizer import optimizer_class_and_kwargs
+
+    cls, kwargs = optimizer_class_and_kwargs(cfg, cuda=False)
+    assert cls is torch.optim.AdamW and kwargs == {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
+    assert optimizer_class_and_kwargs(cfg, cuda=True)[0].__name__ == "DeepSpeedCPUAdam"  # offload on GPU machines
+    cfg.offload = False
+    assert optimizer_class_and_kwargs(cfg, cuda=True) == (torch.optim.AdamW, {**kwargs, "fused": True})
+    cfg.offload = True
     override = tmp_path / "ds.json"
     override.write_text(json.dumps({"wall_clock_breakdown": True, "zero_optimization": {"reduce_bucket_size": 7}}))
     cfg.deepspeed = str(override)
     merged = deepspeed_config(cfg, cuda=False)
     assert merged["wall_clock_breakdown"] is True
     assert merged["zero_optimization"]["reduce_bucket_size"] == 7 and merged["zero_optimization"]["stage"] == 3
+
+
+def test_device_cuda_and_nodes_fail_in_one_line_before_loading(inputs, tmp_path, capsys, monkeypatch):
+    import torch
+
+    base = ["train", "--model", str(inputs / "mla"), "--data", str(inputs / "data"), "--out", str(tmp_path / "o")]
+    if not torch.cuda.is_available():
+        assert main([*base, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--device cuda" in err[0] and "train.device" in err[0], err
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert main([*base, "--nodes", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nodes 2 (train.nodes)" in err[0] and "SLURM" in err[0], err
+    override = tmp_path / "ds.json"
+    override.write_text(json.dumps({"optimizer": {"type": "AdamW"}}))
+    assert main([*base, "--deepspeed", str(override)]) == 2
+    assert "remove ['optimizer']" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]  # nothing was created
+
+
+@pytest.mark.parametrize("model_dir", ["mla", "llama"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(inputs, model_dir):
+    import torch
+
+    from mla.checkpoint import load_model
+    from mla.data import open_blocks
+
+    ids = torch.from_numpy(open_blocks(inputs / "data")[:4].astype("int64"))
+    results = []
+    for checkpointing in (False, True):
+        model = load_model(inputs / model_dir).train()
+        model.config.use_cache = False
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        calls = []
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.item(), len(calls), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, calls_a, grads_a), (loss_b, calls_b, grads_b) = results
+    assert (calls_a, calls_b) == (1, 2)  # checkpointing really recomputed the layer in the backward pass
+    assert abs(loss_a - loss_b) <= 1e-5
+    assert grads_a.keys() == grads_b.keys()
+    assert max((grads_a[n] - grads_b[n]).abs().max().item() for n in grads_a) <= 1e-5
+
+
+def test_parameter_groups_name_norms_and_biases(tmp_path):
+    from mla.convert import convert_checkpoint
+    from mla.checkpoint import load_model
+    from mla.testing import save_tiny_checkpoint
+    from mla.training.optimizer import decay_parameter_names, no_decay_parameter_names, parameter_groups
+
+    save_tiny_checkpoint(tmp_path / "llama", attention_bias=True, num_hidden_layers=1)
+    convert_checkpoint(tmp_path / "llama", tmp_path / "mla", d_kv=8, strategy="high")
+    mla = load_model(tmp_path / "mla")
+    norms = {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+             "model.norm.weight"}
+    biases = {f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "k_rope_proj", "k_up", "v_up", "o_proj")}
+    assert set(no_decay_parameter_names(mla)) == norms | biases
+    decayed = set(decay_parameter_names(mla))
+    for name in ("kv_down", "k_up", "v_up", "k_rope_proj", "q_proj", "o_proj"):  # MLA's own matrices decay
+        assert f"model.layers.0.self_attn.{name}.weight" in decayed
+    assert "model.embed_tokens.weight" in decayed and not decayed & (norms | biases)
+    assert decayed | norms | biases == {n for n, _ in mla.named_parameters()}
+    llama = load_model(tmp_path / "llama")
+    assert set(no_decay_parameter_names(llama)) == norms | {
+        f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
+    groups = parameter_groups(mla, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert sum(p.numel() for g in groups for p in g["params"]) == sum(p.numel() for p in mla.parameters())
+
+
+@pytest.mark.timeout(200)
+def test_deepspeed_applies_no_decay_to_norms(inputs):
+    """One ZeRO-2 step through mla train: norm weights moved exactly as AdamW without decay moves them,
+    matrices as AdamW with decay (the groups reached DeepSpeed's optimizer)."""
+    import torch
+
+    from mla.checkpoint import load_model
+
+    lr, wd = 1e-2, 0.5  # large, so that decay would move a weight of 1 by lr * wd = 5e-3
+    proc = run_train(inputs, "groups", "--steps", "1", "--lr", str(lr), "--warmup-steps", "0", "--decay-steps", "0",
+                     "--micro-batch", "4", "--weight-decay", str(wd), "--zero-stage", "2", "--no-mlflow")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = dict(load_model(inputs / "groups" / "final").named_parameters())
+    _, grouped = plain_losses(inputs, 1, 4, lr, 0, 0, weight_decay=wd, return_model=True)
+    _, flat = plain_losses(inputs, 1, 4, lr, 0, 0, weight_decay=wd, groups=False, return_model=True)
+    grouped, flat = dict(grouped.named_parameters()), dict(flat.named_parameters())
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.1.self_attn.kv_down.weight", "model.layers.0.self_attn.k_up.weight"):
+        assert torch.allclose(trained[name], grouped[name], atol=1e-6), name
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    assert (trained[norm] - flat[norm]).abs().max().item() > 1e-3  # decay would have shown

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import sys
+from pathlib import Path
 
 HELP = "fine-tune a checkpoint (MLA or baseline) with Trainer + DeepSpeed ZeRO; resumes from --checkpoint-dir"
 
@@ -12,8 +16,13 @@ Options come from defaults < --config FILE (YAML/JSON mapping with the option na
 < flags. Schedule: linear warmup from 0 -> constant -> 1-sqrt decay to 0 over the last --decay-steps.
 Outputs: OUT/final (HF checkpoint), OUT/metrics.csv (step,loss,lr,grad_norm,tokens,tokens_per_second),
 OUT/run.json (MLflow run id, experiment, run name). Checkpoints go to --checkpoint-dir (default
-OUT.checkpoints); running the same command again resumes from the newest one. On CPU: fp32, gloo,
-torch AdamW; --nproc N re-launches under torchrun."""
+OUT.checkpoints), or with --checkpoint-root ROOT to ROOT/<key>, where the key hashes only what changes the
+trajectory (model and data contents, recipe, global batch, seed, precision; see mla.training.resume):
+a changed nproc, nodes, micro batch, ZeRO stage or save interval resumes the same folder, which is deleted
+after success (other folders under ROOT are listed, never deleted). Running the same command again
+resumes from the newest checkpoint. AdamW: no weight decay on norm weights and biases. On CPU: fp32,
+gloo, torch AdamW; --nproc N re-launches under torchrun; --nodes N (inside a SLURM job of N nodes)
+starts one torchrun per node with srun."""
 
 
 def add_arguments(parser) -> None:
@@ -26,6 +35,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--data", help="folder from `mla data`")
     g.add_argument("--out", help="run folder for final/, metrics.csv, run.json")
     g.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="Trainer/DeepSpeed checkpoints (default OUT.checkpoints)")
+    g.add_argument("--checkpoint-root", dest="checkpoint_root", metavar="ROOT",
+                   help="instead: checkpoints in ROOT/<trajectory key>, deleted after success")
     g = parser.add_argument_group("recipe (defaults: paper-spec §5)")
     g.add_argument("--steps", type=int, help="optimizer steps (default 100)")
     g.add_argument("--lr", type=float, help="peak learning rate (default 1e-4)")
@@ -38,12 +49,17 @@ def add_arguments(parser) -> None:
     g.add_argument("--clip", type=float, help="gradient clipping max norm, 0 = off (default 1.0)")
     g.add_argument("--seed", type=int, help="seed of data order and Trainer (default 42)")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto: bf16 on CUDA with bf16, else fp32")
+    g.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction,
+                   default=None, help="recompute activations in the backward pass (less memory, same losses)")
     g = parser.add_argument_group("DeepSpeed and processes")
     g.add_argument("--zero-stage", dest="zero_stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload the optimizer state to CPU (ZeRO 1-3)")
     g.add_argument("--deepspeed", metavar="JSON", help="DeepSpeed settings merged over the generated config")
-    g.add_argument("--nproc", type=int, help="processes on this node (default 1; >1 re-launches under torchrun)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="auto (default): CUDA when present; cuda without CUDA is an error")
+    g.add_argument("--nproc", type=int, help="processes per node (default 1; >1 re-launches under torchrun)")
+    g.add_argument("--nodes", type=int, help="nodes (default 1; >1 only inside a SLURM job with that many nodes)")
     g.add_argument("--master-port", dest="master_port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--threads", type=int, help="torch threads per process")
     g.add_argument("--save-steps", dest="save_steps", type=int, help="checkpoint every N steps (default 50)")
@@ -77,29 +93,68 @@ def _flag_values(args) -> dict:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from mla.training import launch
-    from mla.training.config import check_inputs, load_config_file, make_config
+    from mla.training.config import check_inputs, load_config_file, make_config, use_cuda
 
     file_values = load_config_file(args.config) if args.config else {}
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else None
     cfg = make_config(file_values, _flag_values(args), world)
+    cuda = use_cuda(cfg)  # --device cuda without CUDA: one line, before anything is loaded
+    if launch.under_launcher():  # a worker started by torchrun: the launcher has prepared everything
+        return _train_here(cfg, check_inputs(cfg), cuda)
+
+    job = launch.slurm_job(cfg.nodes) if cfg.nodes > 1 else None
     manifest = check_inputs(cfg)
+    managed = bool(cfg.checkpoint_root)
+    if managed:
+        _keyed_checkpoint_dir(cfg, manifest, cuda)
+    _check_resume(cfg)
 
-    if cfg.nproc > 1 and not launch.under_launcher():
-        ckpt = Path(cfg.checkpoint_dir)
-        ckpt.mkdir(parents=True, exist_ok=True)
-        config_path = ckpt / "launch-config.json"
-        config_path.write_text(cfg.to_json())
-        return launch.relaunch(config_path, cfg.nproc, cfg.master_port)
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    launch.prepare_environment(cuda)
-    if not launch.under_launcher():
+    if cfg.nproc * cfg.nodes == 1:
         launch.single_process_environment(cfg.master_port)
+        rc = _train_here(cfg, manifest, cuda)
+    else:
+        config_path = _write_launch_config(cfg)
+        rc = (launch.launch_nodes(config_path, job, cfg.nproc, cfg.master_port) if job
+              else launch.relaunch(config_path, cfg.nproc, cfg.master_port))
+    if rc == 0 and managed:  # the run is complete: its checkpoints (GBs of fp32 + Adam states) go
+        from mla.training.resume import remove_after_success
+
+        remove_after_success(cfg.checkpoint_dir)
+    return rc
+
+
+def _keyed_checkpoint_dir(cfg, manifest: dict, cuda: bool) -> None:
+    """--checkpoint-root: the resume folder is ROOT/<trajectory key> (mla.training.resume)."""
+    from mla.training.config import resolved_precision
+    from mla.training.resume import checkpoint_folder, trajectory
+
+    doc = trajectory(cfg, manifest, resolved_precision(cfg, cuda))
+    cfg.checkpoint_dir = str(checkpoint_folder(cfg.checkpoint_root, doc, log=lambda m: print(m, file=sys.stderr)))
+
+
+def _check_resume(cfg) -> None:
+    """A checkpoint written by another number of ranks or ZeRO stage: converted or refused, in one line."""
+    from mla.training.resume import prepare_resume
+
+    prepare_resume(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def _write_launch_config(cfg) -> Path:
+    """The resolved config for the workers (checkpoint folder fixed: they do not hash the model again)."""
+    ckpt = Path(cfg.checkpoint_dir)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    config_path = ckpt / "launch-config.json"
+    worker = dataclasses.replace(cfg, checkpoint_root="")
+    values = {k: v for k, v in json.loads(worker.to_json()).items() if k != "world_size"}
+    config_path.write_text(json.dumps(values, indent=2) + "\n")
+    return config_path
+
+
+def _train_here(cfg, manifest: dict, cuda: bool) -> int:
+    from mla.training import launch
+
+    launch.prepare_environment(cuda)
     if not cuda:
         launch.skip_shm_build()
 

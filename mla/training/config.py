@@ -21,6 +21,8 @@ class TrainConfig:
     data: str = ""                       # folder written by `mla data`
     out: str = ""                        # run folder: final/, metrics.csv, run.json
     checkpoint_dir: str = ""             # Trainer/DeepSpeed checkpoints (default: <out>.checkpoints)
+    checkpoint_root: str = ""            # instead: checkpoints in ROOT/<trajectory key> (mla.training.resume),
+                                         # deleted after success; other folders there are listed, never deleted
     steps: int = 100
     lr: float = 1e-4
     warmup_steps: int | None = None      # default: 5 % of steps
@@ -41,7 +43,10 @@ class TrainConfig:
     save_total_limit: int = 2
     log_steps: int = 1
     precision: str = "auto"              # auto (bf16 where CUDA supports it, else fp32) | bf16 | fp32
-    nproc: int = 1                       # processes on this node (torchrun re-launch when > 1)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (same losses, less memory)
+    device: str = "auto"                 # auto (CUDA when present) | cpu | cuda (an error without CUDA)
+    nproc: int = 1                       # processes per node (torchrun re-launch when > 1)
+    nodes: int = 1                       # > 1: one launcher per node of the SLURM job (srun), torchrun rendezvous
     master_port: int | None = None
     threads: int | None = None           # torch threads per process
     mlflow: bool = True
@@ -102,7 +107,7 @@ def make_config(file_values: dict, flag_values: dict, world_size: int | None = N
     """defaults < file < flags (flags that are None are 'not given'); then resolve and check."""
     values = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     cfg = TrainConfig(**values)
-    cfg.world_size = world_size or cfg.nproc
+    cfg.world_size = world_size or cfg.nproc * cfg.nodes
     return resolve(cfg)
 
 
@@ -110,7 +115,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     for name in ("model", "data", "out"):
         if not getattr(cfg, name):
             raise UserError(f"--{name} is required (flag or config file)")
-    if not cfg.checkpoint_dir:
+    if cfg.checkpoint_dir and cfg.checkpoint_root:
+        raise UserError("--checkpoint-dir and --checkpoint-root exclude each other: give one")
+    if not cfg.checkpoint_dir and not cfg.checkpoint_root:
         cfg.checkpoint_dir = str(Path(cfg.out).with_name(Path(cfg.out).name + ".checkpoints"))
     if cfg.warmup_steps is None:
         cfg.warmup_steps = round(0.05 * cfg.steps)
@@ -121,8 +128,12 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError(f"lr must be > 0, got {cfg.lr}")
     if cfg.micro_batch <= 0:
         raise UserError(f"micro batch must be > 0, got {cfg.micro_batch}")
+    if cfg.nodes <= 0:
+        raise UserError(f"--nodes must be >= 1, got {cfg.nodes}")
     if cfg.nproc <= 0 or cfg.world_size <= 0:
         raise UserError(f"nproc must be > 0, got {cfg.nproc}")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
     per_pass = cfg.world_size * cfg.micro_batch
     if cfg.global_batch is not None:
         if cfg.global_batch <= 0 or cfg.global_batch % per_pass:
@@ -148,11 +159,26 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError("save_steps and log_steps must be > 0")
     if cfg.clip < 0 or cfg.weight_decay < 0:
         raise UserError("clip and weight decay must be >= 0")
-    if cfg.deepspeed and not Path(cfg.deepspeed).is_file():
-        raise UserError(f"DeepSpeed override file {cfg.deepspeed} does not exist")
+    if cfg.deepspeed:
+        _check_deepspeed_override(Path(cfg.deepspeed))
     if not isinstance(cfg.tags, dict):
         raise UserError("tags must be a mapping name -> value")
     return cfg
+
+
+def _check_deepspeed_override(path: Path) -> None:
+    if not path.is_file():
+        raise UserError(f"DeepSpeed override file {path} does not exist")
+    try:
+        override = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--deepspeed {path}: not valid JSON ({exc})") from None
+    # the Trainer owns optimizer and schedule: a DeepSpeed block would replace the AdamW parameter
+    # groups (no decay on norms and biases) by one flat list, and the paper's schedule by DeepSpeed's
+    owned = sorted({"optimizer", "scheduler"} & set(override if isinstance(override, dict) else {}))
+    if owned:
+        raise UserError(f"--deepspeed {path}: remove {owned}; the optimizer (AdamW with parameter groups) and the "
+                        "schedule come from mla train's options")
 
 
 def check_inputs(cfg: TrainConfig) -> dict:
@@ -172,3 +198,19 @@ def check_inputs(cfg: TrainConfig) -> dict:
         raise UserError(f"block length {manifest['block_length']} exceeds the model's "
                         f"max_position_embeddings {max_pos}")
     return manifest
+
+
+def use_cuda(cfg: TrainConfig) -> bool:
+    """The device decision, made before anything is loaded: --device cuda without CUDA is an error."""
+    from mla.devices import resolve_device
+
+    return resolve_device(cfg.device, flag="--device", config_key="train.device").type == "cuda"
+
+
+def resolved_precision(cfg: TrainConfig, cuda: bool) -> str:
+    """bf16 or fp32: `auto` means bf16 on CUDA devices that support it, else fp32."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    import torch
+
+    return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"

@@ -2,8 +2,9 @@
 accumulation, lr, weight decay, bf16), explicit values for the rest.
 
 `gradient_clipping` is always written: DeepSpeed 0.19.8 clips at 1.0 when the key is missing.
-On CPU the optimizer is torch's AdamW (`torch_adam`), which needs no C++ build; on GPU DeepSpeed picks
-FusedAdam, or DeepSpeedCPUAdam when the optimizer state is offloaded.
+There is no `"optimizer"` block: the Trainer creates AdamW with two parameter groups
+(`mla.training.optimizer`) and DeepSpeed wraps it. With a block, transformers 5.24 passes DeepSpeed one
+flat parameter list and weight decay would reach norms and biases.
 """
 
 from __future__ import annotations
@@ -23,19 +24,17 @@ def deepspeed_config(cfg, cuda: bool) -> dict:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     if cfg.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-    adam = {"lr": "auto", "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_eps, "weight_decay": "auto"}
-    if not cuda:
-        adam["torch_adam"] = True
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": cfg.clip,
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": adam},
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
+        # offload on a CPU-only machine: torch AdamW (DeepSpeedCPUAdam would need a 2-minute C++ build)
+        "zero_force_ds_cpu_optimizer": cuda,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

@@ -13,6 +13,8 @@ import json
 import math
 import os
 import shutil
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -54,11 +56,17 @@ class BlockDataset(torch.utils.data.Dataset):
 
 
 class MLATrainer(Trainer):
-    """Trainer with the paper's schedule, sequential reading of `BlockDataset` and a NaN/inf guard."""
+    """Trainer with the paper's schedule, sequential reading of `BlockDataset`, the recipe's AdamW
+    parameter groups (`mla.training.optimizer`) and a NaN/inf guard."""
 
     def __init__(self, *args, schedule: tuple[int, int, int], **kwargs):
         self._schedule = schedule
         super().__init__(*args, **kwargs)
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        from mla.training.optimizer import decay_parameter_names
+
+        return decay_parameter_names(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
@@ -184,13 +192,6 @@ class FaultInjection(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def last_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The newest complete `checkpoint-N` folder (one with trainer_state.json)."""
-    done = [p for p in checkpoint_dir.glob("checkpoint-*")
-            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
-
-
 def default_tags(cfg, model_config) -> dict:
     """model, variant and d_kv tags (flags win; else read from the checkpoint)."""
     info = getattr(model_config, "mha2mla", None) or {}
@@ -203,8 +204,8 @@ def default_tags(cfg, model_config) -> dict:
 
 def mlflow_params(cfg, manifest: dict) -> dict:
     keys = ["steps", "lr", "warmup_steps", "decay_steps", "micro_batch", "grad_accum", "global_batch", "world_size",
-            "zero_stage", "offload", "weight_decay", "clip", "adam_beta1", "adam_beta2", "adam_eps", "seed",
-            "precision", "model", "data", "deepspeed"]
+            "nodes", "zero_stage", "offload", "gradient_checkpointing", "weight_decay", "clip", "adam_beta1",
+            "adam_beta2", "adam_eps", "seed", "precision", "model", "data", "deepspeed"]
     params = {k: getattr(cfg, k) for k in keys}
     params.update(block_length=manifest["block_length"], data_corpus=manifest["corpus"],
                   data_train_sha256=manifest["splits"]["train"]["sha256"])
@@ -226,14 +227,80 @@ def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def run_training(cfg, manifest: dict) -> dict:
-    """Train per `cfg` (already resolved and checked) inside a launched process; returns run.json's content."""
-    from mla.checkpoint import load_model
-    from mla.data import open_blocks
+def training_arguments(cfg, cuda: bool, bf16: bool, universal: bool = False) -> TrainingArguments:
+    """The Trainer's arguments, DeepSpeed config included. Create them before loading the model: under
+    ZeRO-3 their DeepSpeed config makes `from_pretrained` build the model inside `deepspeed.zero.Init`
+    (each rank materialises only its partition), as long as the returned object is alive."""
     from mla.training.deepspeed_config import deepspeed_config
 
-    cuda = torch.cuda.is_available()
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    ds_config = deepspeed_config(cfg, cuda)
+    if universal:  # resume from a checkpoint of another layout (mla.training.resume.resume_plan)
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    return TrainingArguments(
+        output_dir=str(cfg.checkpoint_dir), max_steps=cfg.steps, per_device_train_batch_size=cfg.micro_batch,
+        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_eps, max_grad_norm=cfg.clip,
+        lr_scheduler_type="constant", warmup_steps=0, logging_steps=cfg.log_steps, logging_nan_inf_filter=False,
+        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+        report_to=[], deepspeed=ds_config, use_cpu=not cuda, bf16=bf16, seed=cfg.seed,
+        data_seed=cfg.seed, train_sampling_strategy="sequential", dataloader_drop_last=True,
+        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False,
+        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
+    )
+
+
+def build_trainer(cfg, cuda: bool, bf16: bool, dataset, callbacks=(), universal: bool = False) -> MLATrainer:
+    """TrainingArguments (with DeepSpeed) -> model -> MLATrainer, in the order ZeRO-3 needs."""
+    from mla.checkpoint import load_model
+    from mla.training.optimizer import optimizer_class_and_kwargs
+
+    args = training_arguments(cfg, cuda, bf16, universal)
+    _ = args.device  # sets up torch.distributed (gloo with use_cpu) before zero.Init needs the world size
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # wraps the group made above
+    model = load_model(cfg.model, dtype=torch.float32)
+    model.config.use_cache = False
+    return MLATrainer(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks),
+                      optimizer_cls_and_kwargs=optimizer_class_and_kwargs(cfg, cuda),
+                      schedule=(cfg.steps, cfg.warmup_steps, cfg.decay_steps))
+
+
+def checkpointed_layers(model) -> int:
+    """Decoder layers whose activations are recomputed in the backward pass (activation checkpointing)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(1 for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)
+
+
+def loaded_share(model) -> dict:
+    """What this rank holds of the model's parameters right after loading. Under ZeRO-3 (built inside
+    `deepspeed.zero.Init`) every parameter is a partitioned DeepSpeed parameter whose local tensor is
+    empty and whose `ds_tensor` holds ~1/world of its elements; otherwise every element is local."""
+    total = held = local = 0
+    whole = []
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_numel"):
+            total += p.ds_numel
+            held += p.ds_tensor.numel()
+            local += p.numel()
+        else:
+            total += p.numel()
+            held += p.numel()
+            local += p.numel()
+            whole.append(name)
+    return {"total": total, "held": held, "local": local, "not_partitioned": whole}
+
+
+def run_training(cfg, manifest: dict) -> dict:
+    """Train per `cfg` (already resolved and checked) inside a launched process; returns run.json's content."""
+    from mla.data import open_blocks
+    from mla.training.config import resolved_precision, use_cuda
+    from mla.training.resume import LayoutCallback, last_checkpoint, resume_plan, saved_layout
+
+    cuda = use_cuda(cfg)
+    bf16 = resolved_precision(cfg, cuda) == "bf16"
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out, ckpt_dir = Path(cfg.out), Path(cfg.checkpoint_dir)
@@ -242,37 +309,30 @@ def run_training(cfg, manifest: dict) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     resume = last_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    universal = resume is not None and resume_plan(saved_layout(resume), cfg.world_size, cfg.zero_stage) == "universal"
 
     blocks = open_blocks(cfg.data, "train")
     dataset = BlockDataset(blocks, cfg.steps * cfg.global_batch, cfg.seed)
-    model = load_model(cfg.model, dtype=torch.float32)
-    model.config.use_cache = False
+    metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], None,
+                              cfg.tracking_uri)
+    callbacks = [metrics, LayoutCallback(cfg)]
+    fault = int(os.environ.get(FAULT_ENV, "0") or 0)
+    if fault:
+        callbacks.append(FaultInjection(fault))
+    trainer = build_trainer(cfg, cuda, bf16, dataset, callbacks, universal)
+    share = loaded_share(trainer.model)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    print(f"mla train: rank {os.environ.get('RANK', '0')} on {node} holds {share['held']:,} of {share['total']:,} "
+          f"parameter elements after loading ({share['local']:,} in local tensors, {len(share['not_partitioned'])} "
+          f"parameters not partitioned)", file=sys.stderr, flush=True)
 
     run_id = None
-    tags = default_tags(cfg, model.config)
+    tags = default_tags(cfg, trainer.model.config)
     run_name = cfg.run_name or f"{tags['model']}-{tags['variant']}"
     if cfg.mlflow and rank0:
         run_id = tracking.get_or_create_run(cfg.tracking_uri, cfg.experiment, run_name, tags=tags,
                                             params=mlflow_params(cfg, manifest))
-
-    args = TrainingArguments(
-        output_dir=str(ckpt_dir), max_steps=cfg.steps, per_device_train_batch_size=cfg.micro_batch,
-        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_eps, max_grad_norm=cfg.clip,
-        lr_scheduler_type="constant", warmup_steps=0, logging_steps=cfg.log_steps, logging_nan_inf_filter=False,
-        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
-        report_to=[], deepspeed=deepspeed_config(cfg, cuda), use_cpu=not cuda, bf16=bf16, seed=cfg.seed,
-        data_seed=cfg.seed, train_sampling_strategy="sequential", dataloader_drop_last=True,
-        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False,
-    )
-    metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], run_id,
-                              cfg.tracking_uri)
-    callbacks = [metrics]
-    fault = int(os.environ.get(FAULT_ENV, "0") or 0)
-    if fault:
-        callbacks.append(FaultInjection(fault))
-    trainer = MLATrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,
-                         schedule=(cfg.steps, cfg.warmup_steps, cfg.decay_steps))
+    metrics.run_id = run_id
     status = "FAILED"
     t0 = time.time()
     try:
@@ -287,7 +347,9 @@ def run_training(cfg, manifest: dict) -> dict:
         "tracking_uri": cfg.tracking_uri or tracking.DEFAULT_TRACKING_URI, "tags": tags,
         "steps": cfg.steps, "world_size": cfg.world_size, "global_batch": cfg.global_batch,
         "tokens": cfg.steps * cfg.global_batch * manifest["block_length"], "precision": "bf16" if bf16 else "fp32",
-        "resumed_from": str(resume) if resume else None, "train_runtime_s": round(time.time() - t0, 3),
+        "resumed_from": str(resume) if resume else None, "resumed_universal": universal,
+        "checkpointed_layers": checkpointed_layers(trainer.model),
+        "train_runtime_s": round(time.time() - t0, 3),
         "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
         "cpu_seconds_per_step": metrics.cpu_per_step,  # rank 0's process CPU time per logged step
         "config": json.loads(cfg.to_json()),
