@@ -11,8 +11,9 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-# config.yaml is the default; a --configfile on the command line replaces it entirely (no merging of
-# experiment dictionaries). --config key=value still overrides single keys.
+# config.yaml is the default; a --configfile on the command line replaces it entirely. Several
+# --configfile files merge in order, dictionaries key by key (lists are replaced), so an overlay such as
+# configs/paper-rehearsal.yaml changes only what it names. --config key=value overrides single keys.
 if not workflow.overwrite_configfiles:
 
     configfile: os.path.join(workflow.basedir, "config.yaml")

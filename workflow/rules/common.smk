@@ -13,6 +13,10 @@ import jsonschema
 import yaml
 from snakemake.exceptions import WorkflowError
 
+from mla import budgets
+from mla.budgets import budget_errors
+from mla.training.memory import memory_errors
+
 SCHEMA_PATH = Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml"
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
 # SLURM jobs (which rerun Snakemake inside the job) use the same environment.
@@ -71,12 +75,17 @@ def _semantic_errors(cfg):
             t = _train_settings(cfg, ename, vname)
             where = (f"experiments.{ename}.overrides.{vname}" if vname in exp["overrides"]
                      else f"experiments.{ename}.train" if exp["train"] else "train")
-            if t["batch_size"] % (t["micro_batch_size"] * t["nproc"]):
+            ranks = t["nproc"] * t["nodes"]
+            if t["batch_size"] % (t["micro_batch_size"] * ranks):
                 errors.append((f"{where}.batch_size", f"{t['batch_size']} is not divisible by "
-                               f"micro_batch_size * nproc = {t['micro_batch_size'] * t['nproc']}"))
+                               f"micro_batch_size * nproc * nodes = {t['micro_batch_size'] * ranks}"))
             if t["warmup_steps"] + t["decay_steps"] > t["steps"]:
                 errors.append((f"{where}.steps", f"warmup_steps + decay_steps = "
                                f"{t['warmup_steps'] + t['decay_steps']} exceeds steps = {t['steps']}"))
+    if not errors:  # budgets are arithmetic on models and variants that exist
+        errors += budget_errors(cfg)
+    if not errors:  # every training job of a GPU config must fit train.gpu_memory_gb (mla.training.memory)
+        errors += memory_errors(cfg)
     return list(dict.fromkeys(errors))  # one message per key
 
 
@@ -98,8 +107,7 @@ def check_config(cfg):
 # ---------------------------------------------------------------- names
 def variants_of(exp):
     """Variant names of one experiment, most compressed first: dkv8, dkv16, ..., baseline."""
-    names = [f"dkv{int(d)}" for d in sorted(exp["d_kv"])]
-    return names + (["baseline"] if exp.get("baseline", True) else [])
+    return budgets.variants(exp)
 
 
 def evaluated_variants(experiment):
@@ -110,9 +118,7 @@ def evaluated_variants(experiment):
 
 def root_model(name):
     """The model whose tokenizer (and data) a model uses: derived models share their parent's."""
-    while config["models"][name]["source"] == "mha-from-gqa":
-        name = config["models"][name]["from"]
-    return name
+    return budgets.root_model(config, name)
 
 
 def model_label(name):
@@ -163,18 +169,23 @@ def _source_chain(name):
 
 def _train_settings(cfg, experiment, variant):
     """Global train recipe < experiment's `train` < the variant's overrides."""
-    exp = cfg["experiments"][experiment]
-    over = exp["overrides"].get(variant, {})
-    return dict(cfg["train"], **exp["train"], **{k: over[k] for k in ("steps", "lr") if k in over})
+    return budgets.train_settings(cfg, experiment, variant)
 
 
 def block_length(model):
-    return config["models"][root_model(model)].get("block_length", config["data"]["block_length"])
+    return budgets.block_length(config, model)
+
+
+# How a run is launched, not what it computes (see mla/training/resume.py): kept out of the run's name.
+LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
+               "save_steps", "device", "gpu_memory_gb")
 
 
 def settings_hash(experiment, variant):
-    """Short hash of a variant's settings: names its resume checkpoints and its MLflow run."""
-    blob = json.dumps(variant_settings(experiment, variant), sort_keys=True)
+    """Short hash of what a variant computes (launch settings left out): names its MLflow run."""
+    s = variant_settings(experiment, variant)
+    s = dict(s, train={k: v for k, v in s["train"].items() if k not in LAUNCH_KEYS})
+    blob = json.dumps(s, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -241,12 +252,13 @@ def download_args(wc):
 
 # ---------------------------------------------------------------- data rules
 def data_args(wc):
+    from mla import budgets
+
     d = config["data"]
-    args = (f"--corpus {shlex.quote(d['corpus'])} --block-length {block_length(wc.model)}"
-            f" --max-tokens {d['max_tokens']} --validation-fraction {d['validation_fraction']} --seed {d['seed']}")
-    if d["max_validation_tokens"] is not None:
-        args += f" --max-validation-tokens {d['max_validation_tokens']}"
-    return args
+    return (f"--corpus {shlex.quote(d['corpus'])} --block-length {block_length(wc.model)}"
+            f" --train-tokens {budgets.train_tokens(config, wc.model)}"
+            f" --validation-tokens {budgets.validation_tokens(config, wc.model)}"
+            f" --validation-fraction {d['validation_fraction']} --seed {d['seed']}")
 
 
 # ---------------------------------------------------------------- convert rules
@@ -271,9 +283,20 @@ def convert_args(wc):
 
 
 # ---------------------------------------------------------------- finetune rules
+def finetune_nodes(wc):
+    return variant_settings(wc.experiment, wc.variant)["train"]["nodes"]
+
+
 def finetune_gpus(wc):
+    """One node: sbatch --gpus=nproc. Several nodes request theirs per node (finetune_gres)."""
     train = variant_settings(wc.experiment, wc.variant)["train"]
-    return train["nproc"] if train["device"] == "gpu" else 0
+    return train["nproc"] if train["device"] == "gpu" and train["nodes"] == 1 else 0
+
+
+def finetune_gres(wc):
+    """Several nodes: sbatch --gres=gpu:nproc, i.e. nproc GPUs on each node (--gpus would be a job total)."""
+    train = variant_settings(wc.experiment, wc.variant)["train"]
+    return f"gpu:{train['nproc']}" if train["device"] == "gpu" and train["nodes"] > 1 else ""
 
 
 def finetune_args(wc):
@@ -285,7 +308,9 @@ def finetune_args(wc):
         "--micro-batch", t["micro_batch_size"], "--weight-decay", t["weight_decay"],
         "--clip", t["max_grad_norm"], "--seed", t["seed"], "--precision", t["precision"],
         "--zero-stage", t["zero_stage"], "--offload" if t["offload_optimizer"] else "--no-offload",
-        "--nproc", t["nproc"], "--save-steps", t["save_steps"],
+        "--nproc", t["nproc"], "--nodes", t["nodes"], "--save-steps", t["save_steps"],
+        "--device", "cuda" if t["device"] == "gpu" else "cpu",
+        "--gradient-checkpointing" if t["gradient_checkpointing"] else "--no-gradient-checkpointing",
         "--tracking-uri", config["mlflow"]["tracking_uri"], "--experiment", config["mlflow"]["experiment"],
         "--run-name", run_name(wc.experiment, wc.variant), "--model-name", model_label(s["model"]),
         "--variant", wc.variant, "--tag", f"experiment={wc.experiment}",
