@@ -34,6 +34,8 @@ from pathlib import Path
 
 import yaml
 
+from mla.config_schema import validated
+
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = "configs/paper.yaml"
 OVERLAY = "configs/paper-rehearsal.yaml"
@@ -116,28 +118,6 @@ def load_config(*paths: str | Path) -> dict:
     for path in paths:
         update_config(cfg, yaml.safe_load(Path(path).read_text()) or {})
     return validated(cfg)
-
-
-def validated(cfg: dict) -> dict:
-    """A copy of `cfg` checked against the workflow's schema with its defaults filled in (as check_config)."""
-    import copy
-
-    import jsonschema
-
-    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
-    base = jsonschema.Draft202012Validator
-    check_properties = base.VALIDATORS["properties"]
-
-    def properties(validator, props, instance, subschema):
-        if isinstance(instance, dict):
-            for name, sub in props.items():
-                if "default" in sub and name not in instance:
-                    instance[name] = copy.deepcopy(sub["default"])
-        yield from check_properties(validator, props, instance, subschema)
-
-    cfg = copy.deepcopy(cfg)
-    jsonschema.validators.extend(base, {"properties": properties})(schema).validate(cfg)
-    return cfg
 
 
 # ---------------------------------------------------------------- stand-ins and workflow copy

@@ -1,7 +1,6 @@
 # Helpers of the workflow: config validation, names, paths and input functions.
 # No science here: every number is computed by the `mla` package that the rules call.
 
-import copy
 import hashlib
 import json
 import re
@@ -9,15 +8,13 @@ import shlex
 import sys
 from pathlib import Path
 
-import jsonschema
-import yaml
 from snakemake.exceptions import WorkflowError
 
 from mla import budgets
 from mla.budgets import budget_errors
+from mla.config_schema import schema_problems
 from mla.training.memory import memory_errors
 
-SCHEMA_PATH = Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml"
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
 # SLURM jobs (which rerun Snakemake inside the job) use the same environment.
 PYTHON = shlex.quote(sys.executable)
@@ -25,28 +22,6 @@ MLA = f"{PYTHON} -m mla"
 
 
 # ---------------------------------------------------------------- config validation
-def _key(path):
-    """Dotted config key for a jsonschema error path: experiments.gqa2mla.d_kv[1]."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "<top level>"
-
-
-def _validator_with_defaults(schema):
-    base = jsonschema.Draft202012Validator
-    check_properties = base.VALIDATORS["properties"]
-
-    def properties(validator, props, instance, subschema):
-        if isinstance(instance, dict):
-            for name, sub in props.items():
-                if "default" in sub and name not in instance:
-                    instance[name] = copy.deepcopy(sub["default"])
-        yield from check_properties(validator, props, instance, subschema)
-
-    return jsonschema.validators.extend(base, {"properties": properties})(schema)
-
-
 def _semantic_errors(cfg):
     """Cross-references the schema cannot express."""
     errors = []
@@ -91,9 +66,7 @@ def _semantic_errors(cfg):
 
 def check_config(cfg):
     """Validate `cfg` in place against the schema (filling defaults); stop with every bad key named."""
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    problems = [(_key(e.absolute_path), e.message)
-                for e in sorted(_validator_with_defaults(schema).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))]
+    problems = schema_problems(cfg)
     if not problems:
         problems = _semantic_errors(cfg)
     if problems:

@@ -1,0 +1,53 @@
+"""The workflow config's JSON schema, applied with its defaults filled in.
+
+One validator for the Snakefile (`workflow/rules/common.smk`) and for the package code that reads a
+workflow config outside Snakemake (the rehearsal, the budget tests), so both see the same defaults.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def _validator_with_defaults(schema: dict) -> jsonschema.protocols.Validator:
+    """A Draft 2020-12 validator that writes each property's `default` into the instance it checks."""
+    base = jsonschema.Draft202012Validator
+    check_properties = base.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, subschema):
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, props, instance, subschema)
+
+    return jsonschema.validators.extend(base, {"properties": properties})(schema)
+
+
+def dotted_key(path) -> str:
+    """Dotted config key for a jsonschema error path: experiments.gqa2mla.d_kv[1]."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def schema_problems(cfg: dict) -> list[tuple[str, str]]:
+    """Fill `cfg`'s defaults in place; return (dotted key, message) for every schema violation."""
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    errors = sorted(_validator_with_defaults(schema).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
+    return [(dotted_key(e.absolute_path), e.message) for e in errors]
+
+
+def validated(cfg: dict) -> dict:
+    """A copy of `cfg` with its defaults filled in; ValueError naming every bad key if it breaks the schema."""
+    cfg = copy.deepcopy(cfg)
+    problems = schema_problems(cfg)
+    if problems:
+        raise ValueError("invalid config: " + "; ".join(f"'{k}': {m}" for k, m in problems))
+    return cfg
