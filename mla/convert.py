@@ -1,4 +1,4 @@
-"""MHA/GQA -> MLA conversion of a Llama-family model (paper §2–3, recipe §10).
+"""MHA/GQA -> MLA conversion of a Llama-family model: Llama, Mistral, Qwen2 (paper §2–3, recipe §10).
 
 Per layer: the query rows are permuted per head to [rope dims | nope dims] (the order of the key's
 dims in the converted attention, so q·k is unchanged); the kept RoPE rows of W_k become k_rope_proj;
@@ -28,7 +28,9 @@ def _mla_config(src_config, kv_lora_rank: int, pairs: torch.Tensor, split: bool,
 
     allowed = {f.name for f in fields(MLAConfig)}
     values = {k: v for k, v in src_config.to_dict().items() if k in allowed}
-    values.update(kv_lora_rank=kv_lora_rank, rope_pairs=pairs.tolist(), latent_split=split, mha2mla=provenance)
+    qkv_bias, o_bias = shapes.attention_biases(src_config.to_dict())
+    values.update(kv_lora_rank=kv_lora_rank, rope_pairs=pairs.tolist(), latent_split=split, mha2mla=provenance,
+                  attention_bias=qkv_bias, o_proj_bias=o_bias)
     config = MLAConfig(**values)
     config.architectures = ["MLAForCausalLM"]
     config._attn_implementation = src_config._attn_implementation
@@ -43,8 +45,21 @@ def _gather_rows(weight: torch.Tensor, index: torch.Tensor, head_dim: int) -> to
     return torch.gather(w, 1, idx).reshape(-1, *weight.shape[1:])
 
 
-def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_dim: int) -> tuple[dict, float]:
-    """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's relative error."""
+def _scale_nope_rows(weight: torch.Tensor, rope_dim: int, head_dim: int, scale: float) -> torch.Tensor:
+    """Rows [heads·d_h, ...] laid out per head as [rope | nope], with the nope rows multiplied by `scale`."""
+    w = weight.reshape(-1, head_dim, *weight.shape[1:]).clone()
+    w[:, rope_dim:] *= scale
+    return w.reshape(weight.shape)
+
+
+def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_dim: int,
+                  nope_query_scale: float = 1.0) -> tuple[dict, float]:
+    """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's relative error.
+
+    `nope_query_scale` multiplies the query's no-RoPE rows: the square of the RoPE attention factor
+    (yarn), which the original applied to every dim through cos/sin and partial RoPE applies to the
+    kept pairs only.
+    """
     n_kv = pairs.shape[0]
     groups = attn.q_proj.weight.shape[0] // head_dim // n_kv
     perm_q = partial_rope.head_permutation(pairs, head_dim).repeat_interleave(groups, dim=0)
@@ -66,6 +81,11 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
         out["v_up.bias"] = attn.v_proj.bias.data
     if attn.o_proj.bias is not None:
         out["o_proj.bias"] = attn.o_proj.bias.data
+    if nope_query_scale != 1.0:
+        rope_dim = 2 * pairs.shape[1]
+        for key in ("q_proj.weight", "q_proj.bias"):
+            if key in out:
+                out[key] = _scale_nope_rows(out[key], rope_dim, head_dim, nope_query_scale)
     # SVD factors and gathered rows may be strided views; checkpoints need plain dense tensors
     return {k: v.contiguous() for k, v in out.items()}, factors.relative_error
 
@@ -134,6 +154,10 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
     dtype = next(model.parameters()).dtype
     config.dtype = dtype
 
+    rotary = LlamaRotaryEmbedding(config=config)
+    nope_query_scale = float(rotary.attention_scaling) ** 2   # 1 unless the RoPE scaling has an attention factor
+    if nope_query_scale != 1.0:
+        config.mha2mla = {**config.mha2mla, "nope_query_scale": nope_query_scale}
     with torch.device("meta"):
         mla_model = MLAForCausalLM(config)
     new_state = {}
@@ -142,7 +166,7 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
             new_state[name] = tensor
     errors = []
     for i, layer in enumerate(model.model.layers):
-        weights, err = convert_layer(layer.self_attn, pairs[i], rank, svd, s.head_dim)
+        weights, err = convert_layer(layer.self_attn, pairs[i], rank, svd, s.head_dim, nope_query_scale)
         errors.append(err)
         new_state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
         if release_source:
@@ -151,7 +175,7 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
     missing = [k for k in missing if not k.startswith("lm_head.") or not src_cfg.tie_word_embeddings]
     if missing or unexpected:
         raise RuntimeError(f"conversion produced a mismatched state dict: missing {missing}, unexpected {unexpected}")
-    mla_model.model.rotary_emb = LlamaRotaryEmbedding(config=config)   # non-persistent buffers: rebuild
+    mla_model.model.rotary_emb = rotary   # non-persistent buffers: built outside the meta device
     mla_model.tie_weights()
     leftovers = [n for n, t in list(mla_model.named_parameters()) + list(mla_model.named_buffers()) if t.is_meta]
     if leftovers:

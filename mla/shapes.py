@@ -13,8 +13,34 @@ from pathlib import Path
 
 from mla.errors import UserError
 
-SUPPORTED_FAMILIES = ("llama", "mistral")
-NAMED_SHAPES = {"llama-2-7b": "llama-2-7b.json", "smollm-135m": "smollm-135m.json"}
+# model_type -> what differs from Llama's decoder and how the conversion carries it
+SUPPORTED_FAMILIES = {
+    "llama": "Llama 1/2/3.x; every RoPE scaling transformers implements (llama3, linear, dynamic, yarn, ...)",
+    "mistral": "Mistral: a Llama decoder; refused while its sliding window is active",
+    "qwen2": "Qwen2/Qwen2.5: q/k/v biases (carried into k_rope_proj, k_up, v_up), no o_proj bias",
+}
+# model_type -> why the conversion refuses it, and what it would need
+REFUSED_FAMILIES = {
+    "qwen3": "QK-norm: an RMSNorm on each key head after k_proj is not linear in the latent, so keys can "
+             "neither be rebuilt by one up-projection nor absorbed into the query; it would need the norm "
+             "folded into the query side or full keys cached",
+    "qwen3_moe": "QK-norm (as qwen3) and mixture-of-experts MLPs",
+    "gemma": "a different decoder: (1 + w) RMSNorm weights, embeddings scaled by sqrt(hidden_size) and a GeGLU "
+             "MLP; the attention would convert, but it needs a Gemma-based MLA model class",
+    "gemma2": "attention-logit soft-capping (tanh of the scores, which the absorbed decode would have to "
+              "apply in latent space) and interleaved sliding-window layers, besides gemma's decoder",
+    "gemma3": "QK-norm (as qwen3), interleaved sliding-window layers and gemma's decoder",
+    "gemma3_text": "QK-norm (as qwen3), interleaved sliding-window layers and gemma's decoder",
+    "phi3": "fused projections (qkv_proj, gate_up_proj): the converter reads separate q/k/v weights; it would "
+            "need the fused matrices split at load, and some variants rotate only part of each head",
+    "olmo2": "QK-norm over all heads after k_proj (as qwen3)",
+}
+NAMED_SHAPES = {
+    "llama-2-7b": "llama-2-7b.json", "smollm-135m": "smollm-135m.json",
+    "llama-3.1-8b": "llama-3.1-8b.json", "llama-3.2-1b": "llama-3.2-1b.json",
+    "qwen2.5-0.5b": "qwen2.5-0.5b.json", "qwen2.5-1.5b": "qwen2.5-1.5b.json", "qwen2.5-7b": "qwen2.5-7b.json",
+    "mistral-7b": "mistral-7b-v0.3.json",
+}
 _SHAPES_DIR = Path(__file__).with_name("shapes")
 
 
@@ -29,7 +55,8 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    attention_bias: bool = False
+    qkv_bias: bool = False        # biases on q_proj, k_proj, v_proj
+    o_bias: bool = False          # bias on o_proj
     mlp_bias: bool = False
 
     @property
@@ -38,7 +65,7 @@ class Shape:
 
 
 def read_config(path: str | Path) -> dict:
-    """config.json as a dict, from a file, a checkpoint folder, or a named shape (llama-2-7b, smollm-135m)."""
+    """config.json as a dict, from a file, a checkpoint folder, or a named shape (NAMED_SHAPES)."""
     name = str(path)
     if name in NAMED_SHAPES:
         return json.loads((_SHAPES_DIR / NAMED_SHAPES[name]).read_text())
@@ -51,17 +78,33 @@ def read_config(path: str | Path) -> dict:
     return json.loads(p.read_text())
 
 
+def sliding_window_active(config: dict) -> bool:
+    """Whether any layer attends through a sliding window (Qwen2 keeps a window size it does not use)."""
+    if not config.get("sliding_window"):
+        return False
+    if config.get("model_type") == "qwen2":
+        if not config.get("use_sliding_window"):
+            return False
+        layers = config.get("layer_types")
+        return any(t == "sliding_attention" for t in layers) if layers else \
+            config.get("max_window_layers", 0) < config.get("num_hidden_layers", 0)
+    return True
+
+
 def check_family(config: dict) -> None:
     """Refuse what the converter cannot convert, naming the reason."""
     family = config.get("model_type")
     if family == "mla_llama":
         raise UserError("this checkpoint is already an MLA model (model_type mla_llama)")
+    if family in REFUSED_FAMILIES:
+        raise UserError(f"model family {family!r} is not supported: {REFUSED_FAMILIES[family]}")
     if family not in SUPPORTED_FAMILIES:
         raise UserError(f"unknown or unsupported model family {family!r}: MHA2MLA conversion supports "
                         f"{', '.join(SUPPORTED_FAMILIES)} (Llama-style decoders with rotate_half RoPE)")
-    if config.get("sliding_window"):
-        raise UserError("sliding-window attention is not supported (set sliding_window to null only if the "
-                        "model was trained without it)")
+    if sliding_window_active(config):
+        raise UserError(f"sliding-window attention (sliding_window={config['sliding_window']}) is not supported: "
+                        "the latent cache keeps every token; set it to null only if the model was trained "
+                        "without it")
     for key in ("q_norm", "k_norm", "qk_norm", "use_qk_norm"):
         if config.get(key):
             raise UserError(f"QK-norm ({key}) is not supported: a norm after the key up-projection breaks "
@@ -71,6 +114,15 @@ def check_family(config: dict) -> None:
         raise UserError("models whose RoPE already covers only part of each head are not supported")
 
 
+def attention_biases(config: dict) -> tuple[bool, bool]:
+    """(q/k/v have biases, o_proj has a bias): Qwen2 always biases q/k/v and never o; Llama follows
+    `attention_bias` for all four."""
+    if config.get("model_type") == "qwen2":
+        return True, False
+    bias = bool(config.get("attention_bias", False))
+    return bias, bias
+
+
 def shape_of(config: dict) -> Shape:
     heads = config["num_attention_heads"]
     return Shape(
@@ -78,27 +130,28 @@ def shape_of(config: dict) -> Shape:
         layers=config["num_hidden_layers"], heads=heads,
         kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
+        qkv_bias=attention_biases(config)[0], o_bias=attention_biases(config)[1],
+        mlp_bias=bool(config.get("mlp_bias", False)),
     )
 
 
 def _common_params(s: Shape) -> int:
     """Everything but the K/V projections: embeddings, q/o, MLP, norms (no output head)."""
-    ab, mb = int(s.attention_bias), int(s.mlp_bias)
+    ab, ob, mb = int(s.qkv_bias), int(s.o_bias), int(s.mlp_bias)
     q = s.hidden * s.heads * s.head_dim + ab * s.heads * s.head_dim
-    o = s.heads * s.head_dim * s.hidden + ab * s.hidden
+    o = s.heads * s.head_dim * s.hidden + ob * s.hidden
     mlp = 3 * s.hidden * s.intermediate + mb * (2 * s.intermediate + s.hidden)
     per_layer = q + o + mlp + 2 * s.hidden
     return s.vocab * s.hidden + s.layers * per_layer + s.hidden
 
 
 def params_original(s: Shape) -> int:
-    kv = 2 * (s.hidden * s.kv_heads * s.head_dim + int(s.attention_bias) * s.kv_heads * s.head_dim)
+    kv = 2 * (s.hidden * s.kv_heads * s.head_dim + int(s.qkv_bias) * s.kv_heads * s.head_dim)
     return _common_params(s) + s.layers * kv
 
 
 def params_mla(s: Shape, d_kv: int, r: int, split: bool = False) -> int:
-    ab = int(s.attention_bias)
+    ab = int(s.qkv_bias)
     rope, nope = 2 * r, s.head_dim - 2 * r
     latent = s.kv_heads * d_kv
     up_in = latent // 2 if split else latent

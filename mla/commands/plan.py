@@ -7,7 +7,8 @@ HELP = ("print parameter counts and KV-cache size before/after conversion, or (-
 
 def add_arguments(p):
     p.add_argument("--base", required=True,
-                   help="config.json, a checkpoint folder, or a named shape: llama-2-7b, smollm-135m")
+                   help="config.json, a checkpoint folder, or a named shape: llama-2-7b, smollm-135m, llama-3.1-8b, "
+                        "llama-3.2-1b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, mistral-7b")
     p.add_argument("--d-kv", type=int, action="append",
                    help="latent size per KV head (repeatable; default d_h/2, d_h/4, d_h/8); with --train: plan the "
                         "converted model (once)")

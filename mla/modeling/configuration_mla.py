@@ -8,6 +8,9 @@ Mapping between the paper's names and the fields here (per layer):
     r (kept RoPE frequency pairs)    qk_rope_head_dim = 2r,  qk_nope_head_dim = d_h − 2r
     d_h                              v_head_dim = head_dim
     S (kept pairs, per layer/KV head) rope_pairs[layer][kv_head] = sorted pair indices (len r)
+
+Source families: Llama (any RoPE scaling in `rope_parameters`), Mistral without sliding window, and
+Qwen2 (`attention_bias` = q/k/v biases, `o_proj_bias` = False).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class MLAConfig(LlamaConfig):
     rope_pairs: list | None = None         # [layers][n_kv][r]; None -> the r fastest pairs ("high")
     latent_split: bool = False             # SVD split: c_kv = [c_k | c_v], half the width each
     absorb_decode: bool = True             # single-token decode steps use the absorbed path
+    o_proj_bias: bool | None = None        # None -> attention_bias (Llama); False for Qwen2 (q/k/v biases only)
     mha2mla: dict | None = None            # provenance: d_kv, r, strategy, svd, source model
 
     def __post_init__(self, **kwargs):

@@ -13,7 +13,11 @@ Per layer and token x (after the input RMSNorm), with G = n_h / n_kv query heads
     v      = v_up(c_kv)                  [n_kv, d_h]
     attention(q, [k_rope | k_nope], v) with scale 1/√d_h, then o_proj.
 
-RoPE uses the original frequencies of the kept pairs only (partial RoPE); the other dims get none.
+RoPE uses the original frequencies of the kept pairs only (partial RoPE), including any scaling of
+the source model (llama3, linear, dynamic, yarn: the rotary embedding is built from the same
+`rope_parameters`); the other dims get none. Where the scaling also multiplies cos/sin by an attention
+factor (yarn, longrope), the conversion folds its square into the query's no-RoPE rows, so every dim
+of q·k keeps the factor the original gave it.
 The cache holds c_kv and k_rope and nothing else. For single-token decode steps the absorbed path
 (paper §4.3) never expands the cache: queries move into latent space through k_up, attention runs
 over c_kv directly, and v_up is applied to the attended latent.
@@ -84,7 +88,8 @@ class MLAAttention(nn.Module):
         self.kv_down = nn.Linear(d, self.latent_dim, bias=False)
         self.k_up = nn.Linear(self.k_latent, self.num_kv_heads * self.nope_dim, bias=bias)
         self.v_up = nn.Linear(self.v_latent, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        o_bias = bias if config.o_proj_bias is None else config.o_proj_bias
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=o_bias)
 
         # head dims whose cos/sin the kept pairs use, in rotate_half order; derived from the config and
         # built on first use (not a buffer: it must survive meta-device initialisation)

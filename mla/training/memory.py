@@ -75,7 +75,10 @@ PRECISIONS = ("bf16", "fp32")
 ATTENTIONS = ("sdpa", "eager")
 
 # Hub repositories whose architecture is one of the named shapes in mla/shapes/
-HUB_SHAPES = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "HuggingFaceTB/SmolLM-135M": "smollm-135m"}
+HUB_SHAPES = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "HuggingFaceTB/SmolLM-135M": "smollm-135m",
+              "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+              "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b", "Qwen/Qwen2.5-1.5B": "qwen2.5-1.5b", "Qwen/Qwen2.5-7B": "qwen2.5-7b",
+              "mistralai/Mistral-7B-v0.3": "mistral-7b"}
 # the PyPI wheel's SmolLM2-135M has SmolLM-135M's architecture (576/1536/30 layers/9+3 heads/49152 tokens, tied)
 SOURCE_SHAPES = {"smollm2-wheel": "smollm-135m"}
 
@@ -98,7 +101,7 @@ def total_params(s: shapes.Shape, latent: Latent | None = None, tied: bool = Fal
 
 def largest_module_params(s: shapes.Shape, latent: Latent | None = None) -> int:
     """Parameters of the largest single module (DeepSpeed's `largest_layer_params`)."""
-    ab, mb = int(s.attention_bias), int(s.mlp_bias)
+    ab, mb = int(s.qkv_bias), int(s.mlp_bias)
     sizes = [s.vocab * s.hidden,                                          # embedding, output head
              s.hidden * s.intermediate + mb * s.intermediate,             # gate / up
              s.intermediate * s.hidden + mb * s.hidden,                   # down
