@@ -35,6 +35,11 @@ FAMILIES = {
     "llama-rope-yarn": dict(model_type="llama", max_position_embeddings=8 * SHORT_CONTEXT, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
         "original_max_position_embeddings": SHORT_CONTEXT}),
+    # longrope: per-pair factors, switched to the long ones past the original context; attention factor too
+    "llama-rope-longrope": dict(model_type="llama", max_position_embeddings=4 * SHORT_CONTEXT, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": SHORT_CONTEXT,
+        "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
+        "long_factor": [1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]}),
     "qwen2": dict(model_type="qwen2"),
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", sliding_window=None),
