@@ -56,28 +56,21 @@ def auto_batch_size(cfg, block_length: int, element_size: int, free_bytes: int, 
     return max(1, min(fit, MAX_AUTO_BATCH, samples))
 
 
-@torch.no_grad()
-def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
-    """Scores [L, n_kv, d_h/2] of a Llama-family model over token blocks (an iterable of 1-D tensors).
+def covariance_bytes(cfg) -> int:
+    """Memory of the fp64 input-covariance accumulators, one [d, d] per layer (Llama-2-7B: 4.3 GB)."""
+    return cfg.num_hidden_layers * cfg.hidden_size ** 2 * 8
 
-    A forward pre-hook on each attention module captures its input (after the input RMSNorm);
-    q_proj/k_proj are applied to it directly. Batches go to the model's device; the result is on the CPU.
-    """
-    cfg = model.config
-    head_dim = _head_dim(cfg)
+
+@torch.no_grad()
+def _attention_inputs(model, blocks, batch_size: int, consume) -> int:
+    """Run the decoder over token blocks; `consume(i, attn, h)` sees layer i's attention input h
+    (after the input RMSNorm) through a forward pre-hook. Returns the number of samples."""
     device = next(model.parameters()).device
-    layers = model.model.layers
-    q_sum = torch.zeros(len(layers), cfg.num_attention_heads, head_dim // 2, dtype=torch.float64, device=device)
-    k_sum = torch.zeros(len(layers), cfg.num_key_value_heads, head_dim // 2, dtype=torch.float64, device=device)
     count = 0
 
     def hook_for(i, attn):
         def hook(_module, args, kwargs):
-            h = kwargs.get("hidden_states", args[0] if args else None)
-            q = pair_norms(attn.q_proj(h).float(), head_dim).mean(dim=1)  # mean over tokens
-            k = pair_norms(attn.k_proj(h).float(), head_dim).mean(dim=1)
-            q_sum[i] += q.sum(dim=0).double()                           # sum over samples
-            k_sum[i] += k.sum(dim=0).double()
+            consume(i, attn, kwargs.get("hidden_states", args[0] if args else None))
         return hook
 
     def forward(batch):
@@ -86,7 +79,7 @@ def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
         count += len(batch)
 
     handles = [layer.self_attn.register_forward_pre_hook(hook_for(i, layer.self_attn), with_kwargs=True)
-               for i, layer in enumerate(layers)]
+               for i, layer in enumerate(model.model.layers)]
     try:
         model.eval()
         batch: list[torch.Tensor] = []
@@ -102,4 +95,46 @@ def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
             h.remove()
     if count == 0:
         raise ValueError("no calibration samples: the token block source is empty")
-    return group_scores((q_sum / count).float().cpu(), (k_sum / count).float().cpu())
+    return count
+
+
+def calibration_pass(model, blocks, batch_size: int = 2, scores: bool = True, covariance: bool = False):
+    """One pass over the blocks: 2-norm scores [L, n_kv, d_h/2] and/or the second moment of every layer's
+    attention input, E[x xᵀ] [L, d, d] (fp64 sums, returned in fp32 on the CPU), as {"scores", "covariance",
+    "tokens"}. Batches go to the model's device."""
+    cfg = model.config
+    head_dim = _head_dim(cfg)
+    device = next(model.parameters()).device
+    layers = len(model.model.layers)
+    q_sum = torch.zeros(layers, cfg.num_attention_heads, head_dim // 2, dtype=torch.float64, device=device)
+    k_sum = torch.zeros(layers, cfg.num_key_value_heads, head_dim // 2, dtype=torch.float64, device=device)
+    cov = torch.zeros(layers, cfg.hidden_size, cfg.hidden_size, dtype=torch.float64, device=device) if covariance else None
+    tokens = 0
+
+    def consume(i, attn, h):
+        nonlocal tokens
+        if scores:
+            q_sum[i] += pair_norms(attn.q_proj(h).float(), head_dim).mean(dim=1).sum(dim=0).double()
+            k_sum[i] += pair_norms(attn.k_proj(h).float(), head_dim).mean(dim=1).sum(dim=0).double()
+        if covariance:
+            x = h.reshape(-1, h.shape[-1]).double()
+            cov[i] += x.T @ x
+            if i == 0:
+                tokens += x.shape[0]
+
+    count = _attention_inputs(model, blocks, batch_size, consume)
+    out: dict = {"tokens": tokens}
+    if scores:
+        out["scores"] = group_scores((q_sum / count).float().cpu(), (k_sum / count).float().cpu())
+    if covariance:
+        out["covariance"] = (cov / tokens).float().cpu()
+    return out
+
+
+def two_norm_scores(model, blocks, batch_size: int = 2) -> torch.Tensor:
+    """Scores [L, n_kv, d_h/2] of a Llama-family model over token blocks (an iterable of 1-D tensors).
+
+    A forward pre-hook on each attention module captures its input (after the input RMSNorm);
+    q_proj/k_proj are applied to it directly. The result is on the CPU.
+    """
+    return calibration_pass(model, blocks, batch_size)["scores"]

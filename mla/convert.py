@@ -53,8 +53,12 @@ def _scale_nope_rows(weight: torch.Tensor, rope_dim: int, head_dim: int, scale: 
 
 
 def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_dim: int,
-                  nope_query_scale: float = 1.0) -> tuple[dict, float]:
-    """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's relative error.
+                  nope_query_scale: float = 1.0, fit_covariance: torch.Tensor | None = None,
+                  report_covariance: torch.Tensor | None = None) -> tuple[dict, dict]:
+    """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's errors:
+    {"weight": ‖M − A‖/‖M‖, "output": the relative error of M x on inputs with `report_covariance`}.
+
+    `fit_covariance` (the layer's input second moment) makes the SVD activation-aware (mla.lowrank).
 
     `nope_query_scale` multiplies the query's no-RoPE rows: the square of the RoPE attention factor
     (yarn), which the original applied to every dim through cos/sin and partial RoPE applies to the
@@ -70,7 +74,11 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
            "k_rope_proj.weight": _gather_rows(attn.k_proj.weight.data, rope_k, head_dim),
            "o_proj.weight": attn.o_proj.weight.data}
     k_nope = _gather_rows(attn.k_proj.weight.data, nope_k, head_dim)
-    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, svd)
+    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, svd, covariance=fit_covariance)
+    errors = {"weight": factors.relative_error, "output": None}
+    if report_covariance is not None:
+        m = torch.cat([k_nope, attn.v_proj.weight.data]).float()
+        errors["output"] = lowrank.relative_output_error(m, factors.approximation(), report_covariance)
     dtype = attn.q_proj.weight.dtype
     out.update({"kv_down.weight": factors.down.to(dtype), "k_up.weight": factors.up_k.to(dtype),
                 "v_up.weight": factors.up_v.to(dtype)})
@@ -87,7 +95,7 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
             if key in out:
                 out[key] = _scale_nope_rows(out[key], rope_dim, head_dim, nope_query_scale)
     # SVD factors and gathered rows may be strided views; checkpoints need plain dense tensors
-    return {k: v.contiguous() for k, v in out.items()}, factors.relative_error
+    return {k: v.contiguous() for k, v in out.items()}, errors
 
 
 def resolve_options(config: dict, d_kv: int, r: int | None, strategy: str, svd: str) -> tuple[int, int]:
@@ -117,6 +125,22 @@ def resolve_options(config: dict, d_kv: int, r: int | None, strategy: str, svd: 
     return r, rank
 
 
+def load_covariances(path: str | Path, config: dict) -> dict:
+    """A covariance file from `mla calibrate --covariance-out`, checked against the model it will convert."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"covariance file {p} does not exist (run `mla calibrate --covariance-out {p}` first)")
+    data = torch.load(p, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or "covariance" not in data:
+        raise UserError(f"{p} is not a covariance file from `mla calibrate --covariance-out`")
+    s = shapes.shape_of(config)
+    got = tuple(data["covariance"].shape)
+    if got != (s.layers, s.hidden, s.hidden):
+        raise UserError(f"covariance file {p} is for another model shape: {got[0]} layers of {got[1]} inputs, "
+                        f"but this model has {s.layers} layers of {s.hidden}")
+    return data
+
+
 def load_scores(path: str | Path | None) -> torch.Tensor | None:
     if path is None:
         return None
@@ -129,10 +153,13 @@ def load_scores(path: str | Path | None) -> torch.Tensor | None:
 
 @torch.no_grad()
 def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high", scores=None,
-                  svd: str = "joint", release_source: bool = False):
+                  svd: str = "joint", release_source: bool = False, covariances: dict | None = None,
+                  whiten: bool = False):
     """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
 
     With `release_source`, each source layer's attention is dropped once converted (streaming).
+    `covariances` (load_covariances) adds each layer's output error to the report (on its held-out part
+    when it has one); with `whiten` the SVD is fitted to the calibration part (activation-aware).
     """
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -141,6 +168,8 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
     src_cfg = model.config
     cfg_dict = src_cfg.to_dict()
     r, rank = resolve_options(cfg_dict, d_kv, r, strategy, svd)
+    if whiten and covariances is None:
+        raise UserError("activation-aware SVD (whiten) needs input covariances from `mla calibrate --covariance-out`")
     s = shapes.shape_of(cfg_dict)
     if isinstance(scores, (str, Path)):
         scores = load_scores(scores)
@@ -148,7 +177,7 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
         pairs = partial_rope.select_pairs(strategy, r, s.layers, s.kv_heads, s.head_dim, scores)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    provenance = {"d_kv": d_kv, "r": r, "rope_strategy": strategy, "svd": svd,
+    provenance = {"d_kv": d_kv, "r": r, "rope_strategy": strategy, "svd": svd, "whitened": whiten,
                   "source": getattr(src_cfg, "_name_or_path", "") or ""}
     config = _mla_config(src_cfg, rank, pairs, svd == "split", provenance)
     dtype = next(model.parameters()).dtype
@@ -164,10 +193,16 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
     for name, tensor in model.state_dict().items():
         if ".self_attn." not in name:
             new_state[name] = tensor
-    errors = []
+    errors, output_errors = [], []
+    report_cov = None if covariances is None else (covariances.get("heldout") if covariances.get("heldout")
+                                                     is not None else covariances["covariance"])
     for i, layer in enumerate(model.model.layers):
-        weights, err = convert_layer(layer.self_attn, pairs[i], rank, svd, s.head_dim, nope_query_scale)
-        errors.append(err)
+        weights, err = convert_layer(
+            layer.self_attn, pairs[i], rank, svd, s.head_dim, nope_query_scale,
+            fit_covariance=covariances["covariance"][i] if whiten else None,
+            report_covariance=None if report_cov is None else report_cov[i])
+        errors.append(err["weight"])
+        output_errors.append(err["output"])
         new_state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
         if release_source:
             layer.self_attn = torch.nn.Identity()
@@ -187,7 +222,12 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
               "params_before_counted": count_parameters(model) if not release_source else None,
               "params_after_counted": count_parameters(mla_model),
               "reconstruction_error_per_layer": errors,
-              "reconstruction_error_mean": sum(errors) / len(errors)}
+              "reconstruction_error_mean": sum(errors) / len(errors),
+              "whitened": whiten}
+    if covariances is not None:
+        report.update(output_error_per_layer=output_errors,
+                      output_error_mean=sum(output_errors) / len(output_errors),
+                      output_error_on="heldout" if covariances.get("heldout") is not None else "calibration")
     return mla_model, report
 
 
@@ -206,8 +246,13 @@ def count_parameters(model) -> int:
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int, r: int | None = None, strategy: str = "high",
-                       scores_path: str | Path | None = None, svd: str = "joint") -> dict:
-    """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`."""
+                       scores_path: str | Path | None = None, svd: str = "joint",
+                       whiten_path: str | Path | None = None, covariance_path: str | Path | None = None) -> dict:
+    """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`.
+
+    `whiten_path`: covariances to fit the SVD to (activation-aware); `covariance_path`: covariances used
+    only to report output errors of the plain SVD.
+    """
     from mla import checkpoint
 
     src, out = checkpoint.require_checkpoint(src), Path(out)
@@ -215,10 +260,16 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int, r: int | Non
     resolve_options(config, d_kv, r, strategy, svd)          # fail before loading any weights
     if strategy == "2-norm" and scores_path is None:
         raise UserError("--rope-strategy 2-norm needs --scores (from `mla calibrate`)")
+    if whiten_path is not None and covariance_path is not None:
+        raise UserError("give --whiten FILE (fit and report) or --covariance FILE (report only), not both")
     scores = load_scores(scores_path)
+    cov_path = whiten_path or covariance_path
+    covariances = None if cov_path is None else load_covariances(cov_path, config)
     model = checkpoint.load_model(src)
-    mla_model, report = convert_model(model, d_kv, r, strategy, scores, svd, release_source=True)
+    mla_model, report = convert_model(model, d_kv, r, strategy, scores, svd, release_source=True,
+                                      covariances=covariances, whiten=whiten_path is not None)
     report["source_checkpoint"] = str(src)
+    report["covariance_file"] = str(cov_path) if cov_path else None
     report["scores_file"] = str(scores_path) if scores_path else None
     mla_model.config.mha2mla["source"] = str(src)
 
@@ -239,7 +290,10 @@ def main_report_line(report: dict) -> str:
     return (f"d_kv={report['d_kv']} r={report['r']} params {report['params_before'] / 1e6:.2f}M -> "
             f"{report['params_after'] / 1e6:.2f}M, KV/token {report['kv_elements_per_token_before']} -> "
             f"{report['kv_elements_per_token_after']} ({report['kv_reduction_percent']:.2f}% less), "
-            f"mean SVD error {report['reconstruction_error_mean']:.4f}")
+            f"mean SVD error {report['reconstruction_error_mean']:.4f}"
+            + (f", output error {report['output_error_mean']:.4f} on {report['output_error_on']} inputs"
+               if report.get("output_error_mean") is not None else "")
+            + (" (activation-aware)" if report.get("whitened") else ""))
 
 
 __all__ = ["convert_model", "convert_checkpoint", "count_parameters", "resolve_options"]

@@ -7,6 +7,13 @@ up-projection U_ρ S_ρ (Σ entirely in W_up; the paper writes Σ^½ on each sid
 - joint: one SVD of the stacked key-nope and value rows, rank ρ = n_kv·d_kv.
 - split: K and V separately, rank ρ/2 each, so the cache size equals joint's at the same d_kv.
 SVDs run in fp32 (float64 for tiny matrices is not needed: errors are reported, not hidden).
+
+Activation-aware (whitened) SVD, as in SVD-LLM and MHA2MLA-VLM: with C the second moment of the layer's
+attention input x (C = E[x xᵀ], from `mla calibrate --covariance-out`), damped and factorised
+C + λI = L Lᵀ (Cholesky), the SVD of M L truncated to rank ρ, U_ρ S_ρ V_ρᵀ, gives up = U_ρ S_ρ and
+down = V_ρᵀ L⁻¹. Since A ↦ A L is a bijection on rank-ρ matrices, this is the rank-ρ A that minimises
+E‖(M − A) x‖² + λ‖M − A‖²_F: the error of the layer's keys and values on the calibration inputs, which
+is what the model sees, instead of the error of the weights.
 """
 
 from __future__ import annotations
@@ -24,6 +31,31 @@ class LowRankKV:
     up_k: torch.Tensor          # [rows_k, ρ_k]   k_nope = c_k @ up_k.T
     up_v: torch.Tensor          # [rows_v, ρ_v]   v = c_v @ up_v.T
     relative_error: float       # ‖M − up·down‖_F / ‖M‖_F
+    output_error: float | None = None   # √(tr(E C Eᵀ) / tr(M C Mᵀ)), E = M − up·down, for the given C
+
+    def approximation(self) -> torch.Tensor:
+        """The rank-ρ stand-in for M = [W_k,nope ; W_v] that these factors compute."""
+        if self.up_k.shape[1] == self.down.shape[0]:                 # joint: both read all of c_kv
+            return torch.cat([self.up_k, self.up_v]) @ self.down
+        half = self.up_k.shape[1]                                    # split: c_kv = [c_k | c_v]
+        return torch.cat([self.up_k @ self.down[:half], self.up_v @ self.down[half:]])
+
+
+def relative_output_error(m: torch.Tensor, approx: torch.Tensor, covariance: torch.Tensor) -> float:
+    """Relative error of the outputs M x against (approx) x over inputs with second moment C."""
+    c = covariance.to(torch.float64)
+    e, m = (m - approx).to(torch.float64), m.to(torch.float64)
+    return float(torch.sqrt(torch.trace(e @ c @ e.T) / torch.trace(m @ c @ m.T)))
+
+
+def whitening_factor(covariance: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """Lower-triangular L with L Lᵀ = C + λI, λ = damp · mean(diag C) (keeps L invertible for rank-deficient C)."""
+    c = covariance.to(torch.float64)
+    c = c + damp * c.diagonal().mean() * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    factor, info = torch.linalg.cholesky_ex(c)
+    if info.item():
+        raise ValueError("the input covariance is not positive definite even after damping; raise the damping")
+    return factor
 
 
 def max_rank(method: str, rows_k: int, rows_v: int, in_features: int) -> int:
@@ -35,29 +67,44 @@ def max_rank(method: str, rows_k: int, rows_v: int, in_features: int) -> int:
     raise ValueError(f"unknown SVD method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _truncated(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    u, s, vh = torch.linalg.svd(m, full_matrices=False)
-    return u[:, :rank] * s[:rank], vh[:rank], s
+def _truncated(m: torch.Tensor, rank: int, white: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up, down) of the best rank-`rank` approximation of m, in the norm ‖· L‖ when `white` = L is given."""
+    if white is None:
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        return u[:, :rank] * s[:rank], vh[:rank]
+    u, s, vh = torch.linalg.svd(m.double() @ white, full_matrices=False)
+    # down = V_ρᵀ L⁻¹, i.e. downᵀ solves Lᵀ downᵀ = V_ρ
+    down = torch.linalg.solve_triangular(white.T, vh[:rank].T, upper=True).T
+    return (u[:, :rank] * s[:rank]).float(), down.float()
 
 
-def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str = "joint") -> LowRankKV:
-    """Factorise one layer's key-nope rows [rows_k, d] and value rows [rows_v, d] to latent width `rank`."""
+def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str = "joint",
+              covariance: torch.Tensor | None = None, damp: float = 0.01) -> LowRankKV:
+    """Factorise one layer's key-nope rows [rows_k, d] and value rows [rows_v, d] to latent width `rank`.
+
+    With `covariance` (the layer's input second moment [d, d]) the factors are activation-aware (module
+    docstring) and `output_error` is reported for that covariance.
+    """
     rows_k, rows_v, d = w_k_nope.shape[0], w_v.shape[0], w_v.shape[1]
     limit = max_rank(method, rows_k, rows_v, d)
     if rank > limit or rank <= 0:
         raise ValueError(f"latent width n_kv·d_kv = {rank} is not possible for SVD '{method}': it must be "
                          f"between 1 and the full rank {limit} of [W_k,nope; W_v]")
+    if covariance is not None and tuple(covariance.shape) != (d, d):
+        raise ValueError(f"input covariance of shape {tuple(covariance.shape)} does not fit a layer with {d} inputs")
+    white = None if covariance is None else whitening_factor(covariance.to(w_v.device), damp)
     k32, v32 = w_k_nope.float(), w_v.float()
     m = torch.cat([k32, v32])
-    norm = m.norm()
     if method == "joint":
-        up, down, _ = _truncated(m, rank)
-        err = (m - up @ down).norm() / norm
-        return LowRankKV(down, up[:rows_k], up[rows_k:], float(err))
-    if rank % 2:
-        raise ValueError(f"SVD 'split' needs an even latent width n_kv·d_kv, got {rank}")
-    half = rank // 2
-    up_k, down_k, _ = _truncated(k32, half)
-    up_v, down_v, _ = _truncated(v32, half)
-    resid = torch.cat([k32 - up_k @ down_k, v32 - up_v @ down_v])
-    return LowRankKV(torch.cat([down_k, down_v]), up_k, up_v, float(resid.norm() / norm))
+        up, down = _truncated(m, rank, white)
+        up_k, up_v, approx = up[:rows_k], up[rows_k:], up @ down
+    else:
+        if rank % 2:
+            raise ValueError(f"SVD 'split' needs an even latent width n_kv·d_kv, got {rank}")
+        up_k, down_k = _truncated(k32, rank // 2, white)
+        up_v, down_v = _truncated(v32, rank // 2, white)
+        down = torch.cat([down_k, down_v])
+        approx = torch.cat([up_k @ down_k, up_v @ down_v])
+    weight_error = float((m - approx).norm() / m.norm())
+    out_error = None if covariance is None else relative_output_error(m, approx, covariance.to(m.device))
+    return LowRankKV(down, up_k, up_v, weight_error, out_error)

@@ -23,6 +23,11 @@ def add_arguments(p):
                    help="auto (CUDA when present, default) | cpu | cuda; bf16 on GPUs that support it, else fp32")
     p.add_argument("--split", default="train", choices=["train", "validation"])
     p.add_argument("--out", required=True, help="scores file to write (.pt)")
+    p.add_argument("--covariance-out", metavar="FILE",
+                   help="also write every layer's attention-input second moment E[x xᵀ] from the same pass "
+                        "(for `mla convert --whiten`), plus one from held-out blocks (error reports)")
+    p.add_argument("--heldout-samples", type=int, default=32,
+                   help="validation blocks for the held-out covariance (default 32; 0: none)")
 
 
 def run(args):
@@ -36,6 +41,8 @@ def run(args):
 
     if args.samples <= 0:
         raise UserError(f"--samples must be positive, got {args.samples}")
+    if args.heldout_samples < 0:
+        raise UserError(f"--heldout-samples must be 0 or more, got {args.heldout_samples}")
     device = devices.resolve_device(args.device, config_key="calibrate.device")   # before any loading
     from mla.data import open_blocks
 
@@ -49,14 +56,19 @@ def run(args):
     model = checkpoint.load_model(args.model, dtype=dtype).to(device)
     block_length = int(blocks.shape[1])
     batch_size = args.batch_size
+    want_cov = args.covariance_out is not None
     if batch_size == "auto":
-        free = devices.free_memory_bytes(device)
+        free = devices.free_memory_bytes(device) - (calibrate.covariance_bytes(model.config) if want_cov else 0)
         batch_size = calibrate.auto_batch_size(model.config, block_length, dtype.itemsize, free, n)
         per_sample = calibrate.activation_bytes_per_sample(model.config, block_length, dtype.itemsize)
         print(f"calibrate: batch size {batch_size} ({devices.gib(per_sample)} per sequence of {block_length} "
               f"tokens, {devices.gib(free)} free on {device})")
     print(f"calibrate: {n} blocks on {devices.describe(device, dtype)}, batches of {batch_size}")
-    scores = calibrate.two_norm_scores(model, (blocks[i] for i in range(n)), batch_size=batch_size)
+    result = calibrate.calibration_pass(model, (blocks[i] for i in range(n)), batch_size=batch_size,
+                                       covariance=want_cov)
+    scores = result["scores"]
+    if want_cov:
+        _write_covariances(args, model, result, batch_size)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -66,3 +78,35 @@ def run(args):
     os.replace(tmp, out)
     print(f"wrote {out}: scores {list(scores.shape)} from {n} blocks of {block_length} tokens")
     return 0
+
+
+def _write_covariances(args, model, result: dict, batch_size: int) -> None:
+    """The covariance file: fit (the calibration blocks) and held-out (validation blocks) second moments."""
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from mla import calibrate
+    from mla.data import open_blocks
+
+    heldout, heldout_tokens = None, 0
+    if args.heldout_samples:
+        valid = open_blocks(args.data, "validation")
+        m = min(args.heldout_samples, len(valid))
+        if m:
+            held = calibrate.calibration_pass(model, (valid[i] for i in range(m)), batch_size=batch_size,
+                                              scores=False, covariance=True)
+            heldout, heldout_tokens = held["covariance"], held["tokens"]
+        else:
+            print("note: no validation blocks, so the covariance file has no held-out part")
+    out = Path(args.covariance_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    cov = result["covariance"]
+    torch.save({"covariance": cov, "tokens": result["tokens"], "heldout": heldout, "heldout_tokens": heldout_tokens,
+                "layers": cov.shape[0], "hidden_size": cov.shape[1], "model": str(args.model),
+                "moment": "E[x x^T] of each layer's attention input (after input_layernorm)"}, tmp)
+    os.replace(tmp, out)
+    print(f"wrote {out}: covariances {list(cov.shape)} from {result['tokens']} tokens"
+          + (f", held-out from {heldout_tokens}" if heldout is not None else ""))

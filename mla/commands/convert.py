@@ -13,12 +13,19 @@ def add_arguments(p):
     p.add_argument("--scores", help="2-norm scores file from `mla calibrate`")
     p.add_argument("--svd", default="joint", choices=["joint", "split"],
                    help="joint: one SVD of [W_k,nope; W_v]; split: K and V separately at half width each")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--whiten", metavar="FILE",
+                   help="activation-aware SVD: fit the factors to the layer inputs' covariances from "
+                        "`mla calibrate --covariance-out FILE` (joint or split)")
+    g.add_argument("--covariance", metavar="FILE",
+                   help="covariances used only to report each layer's output error (plain SVD)")
 
 
 def run(args):
     from mla import convert
 
     report = convert.convert_checkpoint(args.model, args.out, d_kv=args.d_kv, r=args.r,
-                                        strategy=args.rope_strategy, scores_path=args.scores, svd=args.svd)
+                                        strategy=args.rope_strategy, scores_path=args.scores, svd=args.svd,
+                                        whiten_path=args.whiten, covariance_path=args.covariance)
     print(convert.main_report_line(report))
     return 0
