@@ -1,4 +1,4 @@
-"""Loss-vs-step figures in the style of the paper's Fig. 5 (MHA2MLA panel, GQA2MLA panel).
+"""Loss-vs-step figures in the style of the paper's Fig. 5 (MHA2MLA panel above the GQA2MLA panel).
 
 Input: per-step metrics files written by `mla train` (CSV, header
 `step,loss,lr,grad_norm,tokens,tokens_per_second`), one per run. A *panel* is one experiment (one
@@ -8,7 +8,7 @@ Each curve is drawn twice: the raw per-step loss faint, an exponentially smoothe
 
 A panel spec is a plain dict (also what `mla plot --spec FILE` reads, JSON or YAML):
 
-    {"title": "SmolLM-135M", "kind": "GQA",
+    {"title": "GQA2MLA: SmolLM-135M", "kind": "GQA",
      "runs": [{"d_kv": 8, "metrics": "results/train/.../metrics.csv"},
               {"baseline": true, "metrics": ".../metrics.csv"}]}
 
@@ -152,7 +152,8 @@ def draw_panel(ax, panel: Panel, smoothing: float = 0.9) -> None:
 
 
 def loss_figure(panels: list[Panel], smoothing: float = 0.9):
-    """A matplotlib Figure with one loss-vs-step panel per experiment, side by side."""
+    """A matplotlib Figure with one loss-vs-step panel per experiment, stacked top to bottom in the
+    given order (the paper's Fig. 5: MHA2MLA above GQA2MLA)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -160,8 +161,8 @@ def loss_figure(panels: list[Panel], smoothing: float = 0.9):
 
     if not panels:
         raise FigureInputError("no panels to draw")
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    fig, axes = plt.subplots(len(panels), 1, figsize=(6.4, 3.6 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
         draw_panel(ax, panel, smoothing)
     fig.tight_layout()
     return fig

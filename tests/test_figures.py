@@ -70,6 +70,9 @@ def test_cli_panels_runs_labels_colours(runs, tmp_path, monkeypatch):
 
     ax_mha, ax_gqa = captured["fig"].axes
     assert ax_mha.get_title() == "Llama-2-7B" and ax_gqa.get_title() == "SmolLM-135M"
+    # stacked as the paper draws them, in the order given: the first panel on top, same width
+    top, bottom = ax_mha.get_position(), ax_gqa.get_position()
+    assert top.y0 > bottom.y1 and top.x0 == pytest.approx(bottom.x0)
     for ax in (ax_mha, ax_gqa):
         assert ax.get_xlabel() == "#Step" and ax.get_ylabel() == "Loss"
     assert [l.get_label() for l in legend_lines(ax_mha)] == [

@@ -329,7 +329,8 @@ def evaluate_inputs(wc):
 def plot_args(wc):
     args = []
     for e, exp in config["experiments"].items():
-        args += ["--panel", model_label(exp["model"]), "--kind", exp["kind"]]
+        # the paper's panel titles: method and model, e.g. "MHA2MLA: Llama2-7B"
+        args += ["--panel", f"{exp['kind'].upper()}2MLA: {model_label(exp['model'])}", "--kind", exp["kind"]]
         for v in variants_of(exp):
             key = "baseline" if v == "baseline" else v[3:]
             args += ["--run", f"{key}={finetune_dir(e, v)}/metrics.csv"]
