@@ -9,6 +9,7 @@ over samples in fp64, so the scores do not depend on the batch size.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MAX_AUTO_BATCH = 64        # beyond this a forward pass gains nothing but a larger memory spike
@@ -84,6 +85,8 @@ def _attention_inputs(model, blocks, batch_size: int, consume) -> int:
         model.eval()
         batch: list[torch.Tensor] = []
         for block in blocks:
+            if isinstance(block, np.ndarray):   # rows of a read-only memmap: a writable int64 copy
+                block = block.astype(np.int64)
             batch.append(torch.as_tensor(block, dtype=torch.long))
             if len(batch) == batch_size:
                 forward(batch)
