@@ -78,7 +78,7 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
     errors = {"weight": factors.relative_error, "output": None}
     if report_covariance is not None:
         m = torch.cat([k_nope, attn.v_proj.weight.data]).float()
-        errors["output"] = lowrank.relative_output_error(m, factors.approximation(), report_covariance)
+        errors["output"] = lowrank.relative_output_error(m, factors.approximation(), report_covariance.to(m.device))
     dtype = attn.q_proj.weight.dtype
     out.update({"kv_down.weight": factors.down.to(dtype), "k_up.weight": factors.up_k.to(dtype),
                 "v_up.weight": factors.up_v.to(dtype)})
@@ -194,8 +194,11 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
         if ".self_attn." not in name:
             new_state[name] = tensor
     errors, output_errors = [], []
-    report_cov = None if covariances is None else (covariances.get("heldout") if covariances.get("heldout")
-                                                     is not None else covariances["covariance"])
+    report_cov = None                     # output errors on the held-out inputs when the file has them
+    if covariances is not None:
+        report_cov = covariances.get("heldout")
+        if report_cov is None:
+            report_cov = covariances["covariance"]
     for i, layer in enumerate(model.model.layers):
         weights, err = convert_layer(
             layer.self_attn, pairs[i], rank, svd, s.head_dim, nope_query_scale,
