@@ -119,11 +119,11 @@ def calibration_pass(model, blocks, batch_size: int = 2, scores: bool = True, co
         if scores:
             q_sum[i] += pair_norms(attn.q_proj(h).float(), head_dim).mean(dim=1).sum(dim=0).double()
             k_sum[i] += pair_norms(attn.k_proj(h).float(), head_dim).mean(dim=1).sum(dim=0).double()
+        if i == 0:
+            tokens += h.shape[0] * h.shape[1]
         if covariance:
             x = h.reshape(-1, h.shape[-1]).double()
             cov[i] += x.T @ x
-            if i == 0:
-                tokens += x.shape[0]
 
     count = _attention_inputs(model, blocks, batch_size, consume)
     out: dict = {"tokens": tokens}

@@ -31,11 +31,6 @@ def add_arguments(p):
 
 
 def run(args):
-    import os
-    from pathlib import Path
-
-    import torch
-
     from mla import calibrate, checkpoint, devices
     from mla.errors import UserError
 
@@ -69,24 +64,30 @@ def run(args):
     scores = result["scores"]
     if want_cov:
         _write_covariances(args, model, result, batch_size)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"scores": scores, "samples": n, "block_length": block_length, "model": str(args.model),
-                "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-                "score": "mean|q|*mean|k| summed over the GQA group"}, tmp)
-    os.replace(tmp, out)
+    out = _save_atomically({"scores": scores, "samples": n, "block_length": block_length, "model": str(args.model),
+                            "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                            "score": "mean|q|*mean|k| summed over the GQA group"}, args.out)
     print(f"wrote {out}: scores {list(scores.shape)} from {n} blocks of {block_length} tokens")
     return 0
 
 
-def _write_covariances(args, model, result: dict, batch_size: int) -> None:
-    """The covariance file: fit (the calibration blocks) and held-out (validation blocks) second moments."""
+def _save_atomically(obj: dict, path: str):
+    """torch.save to a temporary name beside `path`, then rename: a killed job leaves no half-written file."""
     import os
     from pathlib import Path
 
     import torch
 
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_covariances(args, model, result: dict, batch_size: int) -> None:
+    """The covariance file: fit (the calibration blocks) and held-out (validation blocks) second moments."""
     from mla import calibrate
     from mla.data import open_blocks
 
@@ -100,13 +101,11 @@ def _write_covariances(args, model, result: dict, batch_size: int) -> None:
             heldout, heldout_tokens = held["covariance"], held["tokens"]
         else:
             print("note: no validation blocks, so the covariance file has no held-out part")
-    out = Path(args.covariance_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
     cov = result["covariance"]
-    torch.save({"covariance": cov, "tokens": result["tokens"], "heldout": heldout, "heldout_tokens": heldout_tokens,
-                "layers": cov.shape[0], "hidden_size": cov.shape[1], "model": str(args.model),
-                "moment": "E[x x^T] of each layer's attention input (after input_layernorm)"}, tmp)
-    os.replace(tmp, out)
+    out = _save_atomically({"covariance": cov, "tokens": result["tokens"], "heldout": heldout,
+                            "heldout_tokens": heldout_tokens, "layers": cov.shape[0], "hidden_size": cov.shape[1],
+                            "model": str(args.model),
+                            "moment": "E[x x^T] of each layer's attention input (after input_layernorm)"},
+                           args.covariance_out)
     print(f"wrote {out}: covariances {list(cov.shape)} from {result['tokens']} tokens"
           + (f", held-out from {heldout_tokens}" if heldout is not None else ""))
