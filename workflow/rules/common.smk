@@ -225,8 +225,6 @@ def download_args(wc):
 
 # ---------------------------------------------------------------- data rules
 def data_args(wc):
-    from mla import budgets
-
     d = config["data"]
     return (f"--corpus {shlex.quote(d['corpus'])} --block-length {block_length(wc.model)}"
             f" --train-tokens {budgets.train_tokens(config, wc.model)}"
