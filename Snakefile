@@ -4,8 +4,10 @@
 #   snakemake --profile workflow/profiles/slurm --configfile configs/paper.yaml   # the paper, on SLURM
 #
 # Stages (one rule file each): download -> data -> calibrate -> convert -> finetune -> evaluate -> figures.
-# Rules only call `mla <verb>`; the science is in the `mla` package. Paths:
-#   results/<stage>/<experiment>/<variant>/..., logs/<rule>/<wildcards>.log, benchmarks/<rule>/<wildcards>.tsv
+# Rules only call `mla <verb>`; the science is in the `mla` package. Paths (mla/study.py):
+#   results/convert/<model>/<conversion>, results/finetune/<model>/<start>/<recipe>/...,
+#   results/evaluate/<model>/{original,<start>/<recipe>}/eval.json, results/tables/<experiment>.*,
+#   logs/<rule>/<wildcards>.log, benchmarks/<rule>/<wildcards>.tsv
 
 from snakemake.utils import min_version
 
@@ -23,12 +25,16 @@ include: "workflow/rules/common.smk"
 
 
 check_config(config)  # schema (with defaults and descriptions) + cross-references; stops before any job
+# Every variant and the jobs it needs, keyed by what they compute (mla/study.py): a conversion or a
+# training run that several variants or experiments share is one job.
+STUDY = study.Study(config)
 
 wildcard_constraints:
     model=_alternatives(config["models"]),
     experiment=_alternatives(config["experiments"]),
-    variant=_alternatives(v for exp in config["experiments"].values() for v in variants_of(exp)),
-    d_kv=_alternatives(d for exp in config["experiments"].values() for d in exp["d_kv"]),
+    conversion=_alternatives(c for _, c in STUDY.conversions()),
+    start=_alternatives(["baseline", *(c for _, c in STUDY.conversions())]),
+    recipe=_alternatives(r for _, _, r in STUDY.runs()),
 
 
 include: "workflow/rules/download.smk"
@@ -43,11 +49,14 @@ include: "workflow/rules/figures.smk"
 report: "workflow/report/workflow.rst"
 
 
+# small bookkeeping rules run on the submitting host, never as cluster jobs
 localrules:
     all,
+    plot,
+    table,
 
 
 rule all:
     input:
-        all_targets(),
+        STUDY.targets(),
     default_target: True

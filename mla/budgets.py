@@ -14,17 +14,14 @@ config check calls `budget_errors`; the data rule passes `train_tokens` / `valid
 
 from __future__ import annotations
 
+from mla import study
+
 DEFAULT_VALIDATION_TOKENS = 65536  # used only when the config has no data.validation_tokens key
 
 
 def root_model(config: dict, model: str) -> str:
     """The model whose tokenizer (and data) `model` uses: derived models share their parent's."""
-    models = config["models"]
-    seen = set()
-    while models[model]["source"] == "mha-from-gqa" and model not in seen:
-        seen.add(model)
-        model = models[model]["from"]
-    return model
+    return study.root_model(config, model)
 
 
 def block_length(config: dict, model: str) -> int:
@@ -32,35 +29,21 @@ def block_length(config: dict, model: str) -> int:
     return int(config["models"][root_model(config, model)].get("block_length", config["data"]["block_length"]))
 
 
-def variants(experiment: dict) -> list[str]:
-    """Variant names of one experiment (as the workflow names them)."""
-    names = [f"dkv{int(d)}" for d in sorted(experiment["d_kv"])]
-    return names + (["baseline"] if experiment.get("baseline", True) else [])
-
-
-def train_settings(config: dict, experiment: str, variant: str) -> dict:
-    """Global train recipe < experiment's `train` < the variant's overrides (steps, lr)."""
-    exp = config["experiments"][experiment]
-    over = exp.get("overrides", {}).get(variant, {})
-    return dict(config["train"], **exp.get("train", {}), **{k: over[k] for k in ("steps", "lr") if k in over})
-
-
 def needs(config: dict, model: str) -> list[tuple[int, str]]:
-    """Every training-token need of `model`'s data, as (tokens, why) pairs."""
+    """Every training-token need of `model`'s data, as (tokens, why) pairs: one per training run (runs
+    shared by several variants count once) and the calibration pass if any variant converts."""
     root = root_model(config, model)
     length = block_length(config, root)
     out, calibrated = [], False
-    for ename, exp in config["experiments"].items():
-        if exp["model"] not in config["models"] or root_model(config, exp["model"]) != root:
+    for v in study.Study(config).runs().values():
+        if v.model not in config["models"] or root_model(config, v.model) != root:
             continue
-        for variant in variants(exp):
-            t = train_settings(config, ename, variant)
-            out.append((t["steps"] * t["batch_size"] * length,
-                        f"experiments.{ename} {variant}: {t['steps']} steps x {t['batch_size']} sequences"
-                        f" x {length} tokens"))
-            strategy = exp.get("overrides", {}).get(variant, {}).get("rope_strategy", exp.get("rope_strategy"))
-            calibrated |= variant != "baseline" and strategy == "2-norm"
-    if calibrated:  # 2-norm calibration reads calibrate.samples training blocks
+        t = v.train
+        out.append((t["steps"] * t["batch_size"] * length,
+                    f"experiments.{v.experiment} {v.name}: {t['steps']} steps x {t['batch_size']} sequences"
+                    f" x {length} tokens"))
+        calibrated |= v.needs_calibration
+    if calibrated:  # calibration (2-norm scores, input covariances) reads calibrate.samples training blocks
         samples = config["calibrate"]["samples"]
         out.append((samples * length, f"calibrate.samples: {samples} blocks x {length} tokens"))
     return out

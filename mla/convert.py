@@ -98,8 +98,21 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
     return {k: v.contiguous() for k, v in out.items()}, errors
 
 
-def resolve_options(config: dict, d_kv: int, r: int | None, strategy: str, svd: str) -> tuple[int, int]:
-    """Validate the conversion options against a model config; returns (r, kv_lora_rank)."""
+def full_rank_d_kv(config: dict, r: int | None) -> int:
+    """d_kv of `--svd none`: the full rank of [W_k,nope; W_v] per KV head, min(2·d_h − 2r, hidden / n_kv)."""
+    s = shapes.shape_of(config)
+    r = partial_rope.default_r(s.head_dim) if r is None else r
+    full = lowrank.max_rank("none", s.kv_heads * (s.head_dim - 2 * r), s.kv_heads * s.head_dim, s.hidden)
+    if full % s.kv_heads:
+        raise UserError(f"--svd none: the full rank {full} of [W_k,nope; W_v] is not a multiple of the "
+                        f"{s.kv_heads} KV heads; give --svd joint with --d-kv {full // s.kv_heads}")
+    return full // s.kv_heads
+
+
+def resolve_options(config: dict, d_kv: int | None, r: int | None, strategy: str,
+                    svd: str) -> tuple[int, int]:
+    """Validate the conversion options against a model config; returns (r, kv_lora_rank).
+    With svd "none", d_kv must be None or the full rank (`full_rank_d_kv`)."""
     shapes.check_family(config)
     s = shapes.shape_of(config)
     r = partial_rope.default_r(s.head_dim) if r is None else r
@@ -111,6 +124,13 @@ def resolve_options(config: dict, d_kv: int, r: int | None, strategy: str, svd: 
         raise UserError(f"unknown --rope-strategy {strategy!r}; choose one of {', '.join(partial_rope.STRATEGIES)}")
     if svd not in lowrank.METHODS:
         raise UserError(f"unknown --svd {svd!r}; choose one of {', '.join(lowrank.METHODS)}")
+    if svd == "none":
+        full_d_kv = full_rank_d_kv(config, r)
+        if d_kv not in (None, full_d_kv):
+            raise UserError(f"--svd none keeps K/V at full rank, d_kv {full_d_kv} here; leave out --d-kv {d_kv}")
+        d_kv = full_d_kv
+    if d_kv is None:
+        raise UserError(f"--svd {svd} needs --d-kv (the latent size per KV head)")
     if d_kv <= 0:
         raise UserError(f"d_kv must be a positive integer, got {d_kv}")
     rank = s.kv_heads * d_kv
@@ -152,7 +172,7 @@ def load_scores(path: str | Path | None) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high", scores=None,
+def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = "high", scores=None,
                   svd: str = "joint", release_source: bool = False, covariances: dict | None = None,
                   whiten: bool = False):
     """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
@@ -168,6 +188,9 @@ def convert_model(model, d_kv: int, r: int | None = None, strategy: str = "high"
     src_cfg = model.config
     cfg_dict = src_cfg.to_dict()
     r, rank = resolve_options(cfg_dict, d_kv, r, strategy, svd)
+    d_kv = rank // shapes.shape_of(cfg_dict).kv_heads        # svd none: the full rank
+    if whiten and svd == "none":
+        raise UserError("activation-aware SVD (--whiten) needs --svd joint or split; none keeps the full rank")
     if whiten and covariances is None:
         raise UserError("activation-aware SVD (whiten) needs input covariances from `mla calibrate --covariance-out`")
     s = shapes.shape_of(cfg_dict)
@@ -248,7 +271,7 @@ def count_parameters(model) -> int:
     return total
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int, r: int | None = None, strategy: str = "high",
+def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = "high",
                        scores_path: str | Path | None = None, svd: str = "joint",
                        whiten_path: str | Path | None = None, covariance_path: str | Path | None = None) -> dict:
     """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`.
@@ -263,6 +286,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int, r: int | Non
     resolve_options(config, d_kv, r, strategy, svd)          # fail before loading any weights
     if strategy == "2-norm" and scores_path is None:
         raise UserError("--rope-strategy 2-norm needs --scores (from `mla calibrate`)")
+    if whiten_path is not None and svd == "none":
+        raise UserError("activation-aware SVD (--whiten) needs --svd joint or split; none keeps the full rank")
     if whiten_path is not None and covariance_path is not None:
         raise UserError("give --whiten FILE (fit and report) or --covariance FILE (report only), not both")
     scores = load_scores(scores_path)

@@ -32,12 +32,14 @@ KINDS = ("MHA", "GQA")
 @dataclass
 class Run:
     metrics: Path
-    d_kv: int | None = None          # None -> the baseline (unconverted, fine-tuned)
+    d_kv: int | None = None          # latent size per KV head, when the run has one
     label: str | None = None         # overrides the automatic legend label
+    baseline: bool = False           # the unconverted model, fine-tuned (drawn in black)
+    kv_reduction: float | None = None   # % of the KV cache saved (from conversion.json), shown in the legend
 
     @property
     def is_baseline(self) -> bool:
-        return self.d_kv is None
+        return self.baseline
 
 
 @dataclass
@@ -99,9 +101,23 @@ def mla_colours(n: int) -> list[str]:
 
 
 def run_label(run: Run, kind: str) -> str:
-    if run.label:
-        return run.label
-    return kind if run.is_baseline else f"{kind}2MLA d_kv = {run.d_kv}"
+    label = run.label or (kind if run.is_baseline else f"{kind}2MLA d_kv = {run.d_kv}")
+    if run.kv_reduction is not None and not run.is_baseline:
+        label += f" ({-run.kv_reduction:+.2f} % KV)".replace("-", "−")
+    return label
+
+
+def kv_reduction_of(conversion: str | Path) -> float:
+    """The KV-cache saving in % that a conversion.json reports."""
+    import json
+
+    path = Path(conversion)
+    if not path.is_file():
+        raise FigureInputError(f"conversion file not found: {path}")
+    try:
+        return float(json.loads(path.read_text())["kv_reduction_percent"])
+    except (ValueError, KeyError) as exc:
+        raise FigureInputError(f"{path}: no kv_reduction_percent ({exc})") from None
 
 
 def panel_from_dict(spec: dict, base_dir: Path | None = None) -> Panel:
@@ -118,19 +134,27 @@ def panel_from_dict(spec: dict, base_dir: Path | None = None) -> Panel:
         path = Path(r["metrics"])
         if base_dir is not None and not path.is_absolute():
             path = base_dir / path
-        baseline = bool(r.get("baseline")) or r.get("d_kv") is None
-        runs.append(Run(metrics=path, d_kv=None if baseline else int(r["d_kv"]), label=r.get("label")))
+        baseline = bool(r.get("baseline")) or (r.get("d_kv") is None and not r.get("label"))
+        conversion = r.get("conversion")
+        if conversion is not None and base_dir is not None and not Path(conversion).is_absolute():
+            conversion = base_dir / conversion
+        runs.append(Run(metrics=path, d_kv=None if r.get("d_kv") is None else int(r["d_kv"]), label=r.get("label"),
+                        baseline=baseline, kv_reduction=None if conversion is None else kv_reduction_of(conversion)))
     if not runs:
         raise FigureInputError(f"panel {spec['title']!r} has no runs")
     return Panel(title=str(spec["title"]), kind=kind, runs=runs)
 
 
 def ordered_runs(panel: Panel) -> list[tuple[Run, str]]:
-    """Runs with their colours: MLA runs by increasing d_kv (light -> dark), then the baseline(s)."""
-    mla = sorted((r for r in panel.runs if not r.is_baseline), key=lambda r: r.d_kv)
+    """Runs with their colours, light -> dark, then the baseline(s) in black: MLA runs by increasing d_kv
+    when each has its own, else in the given order (a sweep of strategies or SVD methods)."""
+    mla = [r for r in panel.runs if not r.is_baseline]
     d_kvs = [r.d_kv for r in mla]
-    if len(set(d_kvs)) != len(d_kvs):
-        raise FigureInputError(f"panel {panel.title!r}: duplicate d_kv values {d_kvs}")
+    if None not in d_kvs and len(set(d_kvs)) == len(d_kvs):
+        mla.sort(key=lambda r: r.d_kv)
+    labels = [run_label(r, panel.kind) for r in mla]
+    if len(set(labels)) != len(labels):
+        raise FigureInputError(f"panel {panel.title!r}: two runs share a legend label ({labels}); give labels")
     colours = mla_colours(len(mla))
     out = list(zip(mla, colours))
     out += [(r, BASELINE_COLOUR) for r in panel.runs if r.is_baseline]

@@ -6,6 +6,8 @@ up-projection U_ρ S_ρ (Σ entirely in W_up; the paper writes Σ^½ on each sid
 
 - joint: one SVD of the stacked key-nope and value rows, rank ρ = n_kv·d_kv.
 - split: K and V separately, rank ρ/2 each, so the cache size equals joint's at the same d_kv.
+- none: no compression (the paper's "partial RoPE only", Table 5): the joint factorisation at the full
+  rank min(rows, d) of M, exact up to rounding, so only the partial-RoPE change remains.
 SVDs run in fp32 (float64 for tiny matrices is not needed: errors are reported, not hidden).
 
 Activation-aware (whitened) SVD, as in SVD-LLM and MHA2MLA-VLM: with C the second moment of the layer's
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("joint", "split")
+METHODS = ("joint", "split", "none")
 
 
 @dataclass
@@ -60,7 +62,7 @@ def whitening_factor(covariance: torch.Tensor, damp: float = 0.01) -> torch.Tens
 
 def max_rank(method: str, rows_k: int, rows_v: int, in_features: int) -> int:
     """Largest latent width ρ the SVD can give (beyond it the factorisation is padded with nothing)."""
-    if method == "joint":
+    if method in ("joint", "none"):
         return min(rows_k + rows_v, in_features)
     if method == "split":
         return 2 * min(rows_k, rows_v, in_features)
@@ -87,6 +89,8 @@ def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str 
     """
     rows_k, rows_v, d = w_k_nope.shape[0], w_v.shape[0], w_v.shape[1]
     limit = max_rank(method, rows_k, rows_v, d)
+    if method == "none" and rank != limit:
+        raise ValueError(f"SVD 'none' keeps the full rank {limit} of [W_k,nope; W_v], not {rank}")
     if rank > limit or rank <= 0:
         raise ValueError(f"latent width n_kv·d_kv = {rank} is not possible for SVD '{method}': it must be "
                          f"between 1 and the full rank {limit} of [W_k,nope; W_v]")
@@ -95,7 +99,7 @@ def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str 
     white = None if covariance is None else whitening_factor(covariance.to(w_v.device), damp)
     k32, v32 = w_k_nope.float(), w_v.float()
     m = torch.cat([k32, v32])
-    if method == "joint":
+    if method in ("joint", "none"):
         up, down = _truncated(m, rank, white)
         up_k, up_v, approx = up[:rows_k], up[rows_k:], up @ down
     else:

@@ -63,6 +63,31 @@ TABLE1 = {
     },
 }
 
+# The paper's ablations on SmolLM-135M (r = 4 unless named; scores only, the paper gives no KV column):
+# Table 5 (App. D, partial RoPE only, no SVD, r = 2 / 4 / 8) and Table 3 (the SVD rows at d_kv = 16; the
+# S_2-norm + SVD_joint row is Table 1's d_kv = 16 row). Keys are what a variant's `paper:` names.
+ABLATIONS = {
+    "SmolLM-135M": {
+        "NoPE": _row(None, 38.99, 27.03, 34.23, 62.68, 31.89, 29.40, 48.70),
+        "S_high r=2": _row(None, 42.86, 29.58, 40.91, 66.54, 38.48, 32.00, 49.64),
+        "S_high": _row(None, 43.40, 29.90, 41.15, 66.92, 39.34, 32.60, 50.51),
+        "S_high r=8": _row(None, 43.56, 29.90, 40.89, 67.63, 40.41, 32.20, 50.36),
+        "S_low r=2": _row(None, 37.94, 26.95, 33.56, 60.28, 31.51, 27.80, 47.51),
+        "S_low": _row(None, 37.76, 27.11, 32.06, 59.79, 30.68, 28.40, 48.54),
+        "S_low r=8": _row(None, 42.54, 29.34, 39.58, 67.36, 37.86, 32.00, 49.09),
+        "S_uniform r=2": _row(None, 43.16, 29.89, 41.80, 66.27, 38.78, 32.40, 49.80),
+        "S_uniform": _row(None, 43.76, 29.87, 41.29, 67.36, 40.22, 32.80, 50.99),
+        "S_uniform r=8": _row(None, 43.74, 29.95, 40.81, 67.19, 40.47, 32.60, 51.38),
+        "S_2-norm r=2": _row(None, 43.13, 29.75, 40.13, 67.25, 39.03, 32.80, 49.80),
+        "S_2-norm": _row(None, 43.77, 30.14, 41.69, 67.57, 39.53, 33.00, 50.67),
+        "S_2-norm r=8": _row(None, 43.88, 29.91, 41.35, 67.74, 40.40, 33.40, 50.51),
+        "S_high+SVD_joint": _row(-81.25, 41.04, 28.16, 37.55, 64.91, 34.91, 32.00, 48.70),
+        "S_uniform+SVD_joint": _row(-81.25, 41.77, 28.58, 38.69, 65.67, 36.17, 32.00, 49.49),
+        "S_2-norm+SVD_joint": _row(-81.25, 41.84, 28.66, 39.95, 65.02, 36.04, 31.60, 49.80),
+        "S_2-norm+SVD_split": _row(-81.25, 40.92, 28.04, 37.85, 65.56, 34.60, 29.80, 49.65),
+    },
+}
+
 # names under which a checkpoint of a reported model may appear (case-insensitive)
 ALIASES = {
     "smollm-135m": "SmolLM-135M", "huggingfacetb/smollm-135m": "SmolLM-135M", "smollm1-135m": "SmolLM-135M",
@@ -83,11 +108,17 @@ def paper_model(name: str | None) -> str | None:
 
 
 def paper_row(model: str, variant: str | int) -> dict | None:
-    """Table 1 row of `model` for a variant ("original", "baseline" or an int d_kv), or None."""
+    """The paper's row of `model` for a variant: Table 1's "original", "baseline" or an int d_kv, or an
+    ablation key of ABLATIONS ("S_high", "S_2-norm+SVD_split", ...); None if the paper has none."""
     entry = TABLE1.get(model)
     if entry is None:
         return None
-    return entry["rows"].get(variant)
+    return entry["rows"].get(variant) or ABLATIONS.get(model, {}).get(variant)
+
+
+def known_rows(model: str) -> list:
+    """Every variant key `paper_row` answers for `model`."""
+    return [*TABLE1.get(model, {}).get("rows", {}), *ABLATIONS.get(model, {})]
 
 
 def kv_change_percent(d_kv: int, d_h: int, r: int | None = None) -> float:

@@ -184,7 +184,7 @@ def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
     import csv
 
-    from mla import budgets, paper_numbers
+    from mla import budgets, paper_numbers, study
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)
     res = workdir / "results"
@@ -222,11 +222,11 @@ def check_outputs(workdir: Path) -> list[str]:
         if len(sources) != len(SMOLLM_SOURCES) or empty:
             problems.append(f"results/data/{root}: train sources {sorted(sources)}, without tokens {empty}; "
                             f"expected the {len(SMOLLM_SOURCES)} sources of the smollm mixture")
+    the_study = study.Study(cfg)
     for ename, exp in cfg["experiments"].items():
-        variants = budgets.variants(exp)
-        for variant in variants:
-            t = budgets.train_settings(cfg, ename, variant)
-            run = load_json(res / "finetune" / ename / variant / "run.json")
+        for v in the_study.experiment(ename):
+            t = v.train
+            run = load_json(workdir / v.run_dir / "run.json")
             if not run:
                 continue
             accum = t["batch_size"] // (t["micro_batch_size"] * t["nproc"])
@@ -237,25 +237,26 @@ def check_outputs(workdir: Path) -> list[str]:
                     "zero_stage": t["zero_stage"], "steps": t["steps"]}
             for key in want:
                 if got[key] != want[key]:
-                    problems.append(f"results/finetune/{ename}/{variant}/run.json: {key} {got[key]}, configured {want[key]}")
+                    problems.append(f"{v.run_dir}/run.json: {key} {got[key]}, configured {want[key]}")
             if run.get("train_loss") is None:
-                problems.append(f"results/finetune/{ename}/{variant}/run.json: no finite training loss")
-        for d in exp["d_kv"]:
-            conv = load_json(res / "convert" / ename / f"dkv{d}" / "conversion.json")
-            if conv and (conv.get("d_kv"), conv.get("rope_strategy"), conv.get("svd")) != (d, exp["rope_strategy"], exp["svd"]):
-                problems.append(f"results/convert/{ename}/dkv{d}/conversion.json: d_kv {conv.get('d_kv')}, "
-                                f"{conv.get('rope_strategy')}, {conv.get('svd')}; configured {d}, "
-                                f"{exp['rope_strategy']}, {exp['svd']}")
-        evaluated = (["original"] if cfg["evaluate"]["original"] else []) + variants
-        for variant in evaluated:
-            ev = load_json(res / "evaluate" / ename / variant / "eval.json")
+                problems.append(f"{v.run_dir}/run.json: no finite training loss")
+            if v.is_baseline:
+                continue
+            conv = load_json(workdir / v.convert_dir / "conversion.json")
+            if conv and (conv.get("d_kv"), conv.get("rope_strategy"), conv.get("svd")) != (v.d_kv, v.rope_strategy, v.svd):
+                problems.append(f"{v.convert_dir}/conversion.json: d_kv {conv.get('d_kv')}, "
+                                f"{conv.get('rope_strategy')}, {conv.get('svd')}; configured {v.d_kv}, "
+                                f"{v.rope_strategy}, {v.svd}")
+        evaluated = the_study.evaluated(ename)
+        for name, path, _ in evaluated:
+            ev = load_json(workdir / path)
             if not ev:
                 continue
             paper = (ev.get("benchmarks") or {}).get("paper") or {}
             scores = paper.get("scores") or {}
             bad = [t for t in paper_numbers.TASKS if _number(scores.get(t)) is None]
             if paper.get("status") != "ok" or bad:
-                problems.append(f"results/evaluate/{ename}/{variant}/eval.json: paper tasks {paper.get('status')}"
+                problems.append(f"{path}: paper tasks {paper.get('status')}"
                                 f" ({paper.get('reason') or 'no score for ' + ', '.join(bad)})")
         table = res / "tables" / f"{ename}.csv"
         if not table.is_file() or not (res / "tables" / f"{ename}.md").is_file():

@@ -35,6 +35,9 @@ class TableInputError(ValueError):
     """An input file or variant spec that cannot be tabulated; the message names the cause."""
 
 
+AUTO = "auto"
+
+
 @dataclass
 class Variant:
     name: str
@@ -42,6 +45,8 @@ class Variant:
     eval: Path | None = None
     conversion: Path | None = None
     metrics: Path | None = None
+    label: str | None = None                 # shown in a `label` column when any variant has one
+    paper_row: str | int | None = AUTO       # the paper's row beside it: AUTO = by name/d_kv, None = none
 
 
 def _read_json(path: Path) -> dict:
@@ -69,7 +74,9 @@ def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
     return sum(tail) / len(tail)
 
 
-def _variant_key(v: Variant) -> str | int:
+def _variant_key(v: Variant) -> str | int | None:
+    if v.paper_row != AUTO:
+        return v.paper_row
     return v.name if v.name in SPECIAL_VARIANTS else v.d_kv
 
 
@@ -111,7 +118,8 @@ def collect(variants: list[Variant]) -> list[dict]:
             "scores": bench.get("scores") or {}, "scores_se": bench.get("scores_stderr") or {},
             "average": bench.get("average"), "average_se": bench.get("average_stderr"),
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
-            "_key": _variant_key(Variant(v.name, d_kv)),
+            "label": v.label,
+            "_key": _variant_key(Variant(v.name, d_kv, paper_row=v.paper_row)),
         })
     # KV ratio without a conversion.json: relative to the "original" row's measured elements
     orig = next((r for r in rows if r["variant"] == "original" and r["kv_elements"]), None)
@@ -138,7 +146,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
     have = {k: any(r[k] is not None for r in raw)
             for k in ("params", "final_loss", "perplexity", "local_acc", "average", "decode_speedup")}
 
-    header = ["variant", "d_kv", "KV mem. change %"]
+    labels = any(r["label"] for r in raw)
+    header = ["variant", *(["label"] if labels else []), "d_kv", "KV mem. change %"]
     if paper_model:
         header += ["KV mem. change % (paper)", "Δ KV mem. change"]
     for key, title in (("params", "params"), ("final_loss", "final train loss"),
@@ -163,9 +172,9 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
 
     rows = []
     for r in raw:
-        paper = paper_numbers.paper_row(paper_model, r["_key"]) if paper_model else None
+        paper = paper_numbers.paper_row(paper_model, r["_key"]) if paper_model and r["_key"] is not None else None
         ours_kv = _pct_change(r["kv_ratio"])
-        row = [r["variant"], r["d_kv"], ours_kv]
+        row = [r["variant"], *([r["label"] or r["variant"]] if labels else []), r["d_kv"], ours_kv]
         if paper_model:
             p_kv = None if paper is None else paper["kv_change"]
             if p_kv is None and paper is not None and r["variant"] == "original":

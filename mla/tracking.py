@@ -35,13 +35,23 @@ def _sqlite_path(uri: str) -> Path | None:
 
 
 def client_for(tracking_uri: str | None = None):
+    """A client of the store at `tracking_uri`. A sqlite store is opened under a file lock: MLflow's
+    first use of a new database migrates its schema, and parallel jobs doing that at once collide
+    ("table _alembic_tmp_... already exists")."""
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     db = _sqlite_path(uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    if db is None:
+        return MlflowClient(tracking_uri=uri)
+    import fcntl
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)     # creates (and migrates) the database inside the lock
+    return client
 
 
 def _client(run_id: str, tracking_uri: str | None):
@@ -162,6 +172,15 @@ def log_artifacts(run_id: str | None, paths, artifact_path: str | None = None, t
             client.log_artifacts(run_id, str(p), artifact_path)
         elif p.is_file():
             client.log_artifact(run_id, str(p), artifact_path)
+
+
+def set_tags(run_id: str | None, tags: dict, tracking_uri: str | None = None) -> None:
+    """Add or replace tags of an existing run (e.g. the experiments and labels a shared run appears under)."""
+    if run_id is None or not is_rank_zero():
+        return
+    from mlflow.entities import RunTag
+
+    _client(run_id, tracking_uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
 def set_terminated(run_id: str | None, status: str = "FINISHED", tracking_uri: str | None = None) -> None:

@@ -123,7 +123,9 @@ def test_more_runs_than_colours_are_graded():
 @pytest.mark.parametrize("argv, message", [
     (["--run", "8=x.csv"], "before any --panel"),
     (["--panel", "A", "--kind", "MLA", "--run", "8=x.csv"], "kind must be one of"),
-    (["--panel", "A", "--kind", "GQA", "--run", "eight=x.csv"], "neither an integer"),
+    (["--panel", "A", "--kind", "GQA", "--label", "S_high"], "before any --run"),
+    (["--panel", "A", "--kind", "GQA", "--run", "8=x.csv", "--conversion", "/nonexistent/conversion.json"],
+     "conversion file not found"),
     (["--panel", "A", "--kind", "GQA", "--run", "8=/nonexistent/metrics.csv"], "metrics file not found"),
 ])
 def test_bad_input_names_the_cause(tmp_path, capsys, argv, message):
@@ -141,7 +143,7 @@ def test_missing_loss_column(tmp_path, capsys):
 
 def test_panel_object_api(runs):
     gqa, _ = runs
-    fig = loss_figure([Panel("SmolLM-135M", "GQA", [Run(gqa["baseline"]), Run(gqa[32], d_kv=32)])])
+    fig = loss_figure([Panel("SmolLM-135M", "GQA", [Run(gqa["baseline"], baseline=True), Run(gqa[32], d_kv=32)])])
     labels = [l.get_label() for l in legend_lines(fig.axes[0])]
     assert labels == ["GQA2MLA d_kv = 32", "GQA"]
 
@@ -158,3 +160,26 @@ def test_figure_logged_to_mlflow_summary_run(runs, tmp_path):
     run = client.search_runs([client.get_experiment_by_name("study").experiment_id])[0]
     assert run.info.run_name == "summary" and run.info.status == "FINISHED"
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["loss.pdf", "loss.png"]
+
+
+def test_sweep_runs_keep_their_order_labels_and_kv_saving(tmp_path):
+    """A sweep of strategies at one d_kv: labels from the config, colours in the given order, the KV
+    saving of each conversion.json in its legend entry; two runs with one label are refused."""
+    import json
+
+    from mla.figures import FigureInputError, ordered_runs, panel_from_dict, run_label
+
+    runs, conv = [], tmp_path / "conversion.json"
+    conv.write_text(json.dumps({"kv_reduction_percent": 81.25}))
+    for i, name in enumerate(["S_low", "S_high", "S_2-norm"]):
+        runs.append({"label": name, "metrics": str(write_metrics(tmp_path / f"{name}.csv", 2.0 + i, 0.1)),
+                     "conversion": str(conv)})
+    runs.append({"baseline": True, "metrics": str(write_metrics(tmp_path / "b.csv", 1.0, 0.1))})
+    panel = panel_from_dict({"title": "ablation", "kind": "GQA", "runs": runs})
+    ordered = ordered_runs(panel)
+    assert [run_label(r, "GQA") for r, _ in ordered] == [
+        "S_low (−81.25 % KV)", "S_high (−81.25 % KV)", "S_2-norm (−81.25 % KV)", "GQA"]
+    assert len({c for _, c in ordered[:3]}) == 3 and ordered[3][1] == "#000000"
+    runs[1]["label"] = "S_low"
+    with pytest.raises(FigureInputError, match="share a legend label"):
+        ordered_runs(panel_from_dict({"title": "ablation", "kind": "GQA", "runs": runs}))

@@ -6,13 +6,14 @@ HELP = "convert a Llama-family checkpoint to Multi-head Latent Attention (partia
 def add_arguments(p):
     p.add_argument("--model", required=True, help="source checkpoint folder")
     p.add_argument("--out", required=True, help="MLA checkpoint folder to write")
-    p.add_argument("--d-kv", type=int, required=True, help="latent size per KV head (paper's d_kv)")
+    p.add_argument("--d-kv", type=int, help="latent size per KV head (paper's d_kv); not with --svd none")
     p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16)")
     p.add_argument("--rope-strategy", default="2-norm", choices=["high", "low", "uniform", "2-norm"],
                    help="which pairs keep RoPE (default 2-norm, which needs --scores)")
     p.add_argument("--scores", help="2-norm scores file from `mla calibrate`")
-    p.add_argument("--svd", default="joint", choices=["joint", "split"],
-                   help="joint: one SVD of [W_k,nope; W_v]; split: K and V separately at half width each")
+    p.add_argument("--svd", default="joint", choices=["joint", "split", "none"],
+                   help="joint: one SVD of [W_k,nope; W_v]; split: K and V separately at half width each; "
+                        "none: partial RoPE only, K/V at full rank (exact; d_kv follows from the model)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--whiten", metavar="FILE",
                    help="activation-aware SVD: fit the factors to the layer inputs' covariances from "

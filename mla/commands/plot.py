@@ -19,8 +19,10 @@ Panels are given either as a spec file or on the command line, in order:
       --panel "Llama-2-7B" --kind MHA --run 16=... --run 32=... --run 64=... --run baseline=...
 
 Every --kind/--run belongs to the --panel before it. RUN is D_KV=PATH (a converted run with that
-latent size per KV head) or baseline=PATH (the fine-tuned unconverted model, drawn in black).
-Legend labels: "GQA2MLA d_kv = 8", ..., "GQA" (kind GQA) or "MHA2MLA d_kv = 16", ..., "MHA".
+latent size per KV head), baseline=PATH (the fine-tuned unconverted model, drawn in black) or
+NAME=PATH (a converted run of a sweep; give --label). Legend labels: "GQA2MLA d_kv = 8", ..., "GQA"
+(kind GQA) or "MHA2MLA d_kv = 16", ..., "MHA"; --label TEXT after a --run replaces its label, and
+--conversion JSON (the run's conversion.json) adds the KV-cache saving to it, e.g. "(−87.50 % KV)".
 
 --spec FILE (JSON or YAML) holds the same as {"panels": [{"title": ..., "kind": "GQA",
 "runs": [{"d_kv": 8, "metrics": PATH}, {"baseline": true, "metrics": PATH}]}]}; relative paths
@@ -44,7 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", help="JSON/YAML panel spec (instead of --panel/--kind/--run)")
     p.add_argument("--panel", action=_Ordered, metavar="TITLE", help="start a panel titled TITLE (model name)")
     p.add_argument("--kind", action=_Ordered, metavar="MHA|GQA", help="architecture of the panel's source model")
-    p.add_argument("--run", action=_Ordered, metavar="D_KV=PATH|baseline=PATH", help="a run of the current panel")
+    p.add_argument("--run", action=_Ordered, metavar="D_KV=PATH|baseline=PATH|NAME=PATH",
+                   help="a run of the current panel")
+    p.add_argument("--label", action=_Ordered, metavar="TEXT", help="legend label of the run before it")
+    p.add_argument("--conversion", action=_Ordered, metavar="JSON",
+                   help="conversion.json of the run before it: its KV saving goes into the legend")
     p.add_argument("--smoothing", type=float, default=0.9,
                    help="EMA weight of the smoothed curve in [0, 1) (default 0.9)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI: log the figure to a summary run")
@@ -65,6 +71,10 @@ def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
             raise UserError(f"--{key} {value!r} comes before any --panel")
         if key == "kind":
             panels[-1]["kind"] = value
+        elif key in ("label", "conversion"):
+            if not panels[-1]["runs"]:
+                raise UserError(f"--{key} {value!r} comes before any --run of its panel")
+            panels[-1]["runs"][-1][key] = value
         else:
             name, sep, path = value.partition("=")
             if not sep or not path:
@@ -74,8 +84,8 @@ def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
             else:
                 try:
                     panels[-1]["runs"].append({"d_kv": int(name), "metrics": path})
-                except ValueError:
-                    raise UserError(f"--run {value!r}: {name!r} is neither an integer d_kv nor 'baseline'") from None
+                except ValueError:  # a named run of a sweep: its label is its name unless --label follows
+                    panels[-1]["runs"].append({"label": name.strip(), "metrics": path})
     return panels
 
 

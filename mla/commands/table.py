@@ -21,7 +21,9 @@ Variants are given in order; every option after --variant NAME belongs to it:
 
 NAME "original" = the released model, "baseline" = the unconverted model fine-tuned with the same
 recipe; any other name is a converted model whose d_kv comes from --d-kv, conversion.json or the
-eval JSON. --paper-model picks the paper's Table 1 rows (SmolLM-135M, SmolLM-360M, SmolLM-1.7B,
+eval JSON. --label names the row in a label column; --paper-row picks the paper's row beside it
+(default: the name for original/baseline, else the d_kv: right for S_2-norm + SVD_joint variants only).
+--paper-model picks the paper's Table 1 rows (SmolLM-135M, SmolLM-360M, SmolLM-1.7B,
 Llama-2-7B); by default it is inferred from --model, and "none" disables the paper columns.
 --spec FILE (JSON/YAML) holds {"title", "model", "paper_model", "variants": [{"name", "d_kv",
 "eval", "conversion", "metrics"}]}; relative paths resolve against the spec's folder.
@@ -42,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval", action=_Ordered, metavar="JSON", help="evaluation JSON of `mla evaluate`")
     p.add_argument("--conversion", action=_Ordered, metavar="JSON", help="conversion.json of `mla convert`")
     p.add_argument("--metrics", action=_Ordered, metavar="CSV", help="training metrics.csv")
+    p.add_argument("--label", action=_Ordered, metavar="TEXT", help="the variant's legend label (a table column)")
+    p.add_argument("--paper-row", dest="paper_row", action=_Ordered, metavar="KEY",
+                   help="the paper's row beside it: a d_kv, original, baseline, an ablation key such as "
+                        "S_high or S_2-norm+SVD_split, or none (default: by name and d_kv)")
+    p.add_argument("--run-json", dest="run_json", action=_Ordered, metavar="JSON",
+                   help="run.json of the variant's training run: with --tracking-uri and --study its MLflow run "
+                        "is tagged study.<STUDY> = label")
+    p.add_argument("--study", help="name of this table's experiment (the config's), for the runs' tags")
     p.add_argument("--tracking-uri", help="MLflow tracking URI: log the table to a summary run")
     p.add_argument("--experiment", help="MLflow experiment of the summary run (with --tracking-uri)")
     p.add_argument("--summary-run", default="summary", help="name of the summary run (default: summary)")
@@ -85,10 +95,24 @@ def load_spec(path: str) -> dict:
     return data
 
 
+def _paper_key(key: str, paper_model: str | None, variant: str | None):
+    """--paper-row KEY as paper_numbers knows it (int d_kv, name) or None; an unknown key is an error."""
+    from mla import paper_numbers
+    from mla.errors import UserError
+
+    if key.lower() == "none" or paper_model is None:
+        return None
+    value = int(key) if key.isdigit() else key
+    if value not in paper_numbers.known_rows(paper_model):
+        raise UserError(f"variant {variant!r}: --paper-row {key!r} is not a row of the paper for {paper_model} "
+                        f"(known: {', '.join(map(str, paper_numbers.known_rows(paper_model)))}, or none)")
+    return value
+
+
 def run(args) -> int:
     from mla import paper_numbers
     from mla.errors import UserError
-    from mla.tables import TableInputError, Variant, build_table, table_notes, write_table
+    from mla.tables import AUTO, TableInputError, Variant, build_table, table_notes, write_table
 
     if args.spec and args.items:
         raise UserError("give either --spec or --variant ..., not both")
@@ -113,7 +137,10 @@ def run(args) -> int:
             d_kv = None if v.get("d_kv") in (None, "") else int(v["d_kv"])
         except ValueError:
             raise UserError(f"variant {v.get('name')!r}: d_kv {v['d_kv']!r} is not an integer") from None
-        variants.append(Variant(name=str(v["name"]), d_kv=d_kv,
+        paper_key = v.get("paper_row", AUTO)
+        if paper_key is not None and paper_key != AUTO:
+            paper_key = _paper_key(str(paper_key), paper_model, v.get("name"))
+        variants.append(Variant(name=str(v["name"]), d_kv=d_kv, label=v.get("label"), paper_row=paper_key,
                                 **{k: Path(v[k]) for k in ("eval", "conversion", "metrics") if v.get(k)}))
     try:
         header, rows = build_table(variants, paper_model)
@@ -128,4 +155,17 @@ def run(args) -> int:
         from mla.commands.plot import log_summary_artifacts
 
         log_summary_artifacts(args.tracking_uri, args.experiment, args.summary_run, paths)
+        if args.study:
+            tag_runs(args.tracking_uri, args.study, spec["variants"])
     return 0
+
+
+def tag_runs(tracking_uri: str, study: str, variants: list[dict]) -> None:
+    """Tag each variant's (possibly shared) training run with the experiment and label it appears under."""
+    from mla import tracking
+
+    for v in variants:
+        if not v.get("run_json"):
+            continue
+        run_id = json.loads(Path(v["run_json"]).read_text()).get("mlflow_run_id")
+        tracking.set_tags(run_id, {f"study.{study}": v.get("label") or v["name"]}, tracking_uri=tracking_uri)

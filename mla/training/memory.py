@@ -63,7 +63,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mla import shapes
+from mla import shapes, study
+from mla.convert import full_rank_d_kv
 from mla.errors import UserError
 
 GB = 10**9
@@ -352,21 +353,19 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
 
 def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int) -> dict:
     """Plan of every variant of one experiment: {variant: plan}."""
-    exp = config["experiments"][ename]
     s = shapes.shape_of(cfg_model)
     common = dict(nproc=train["nproc"], nodes=train.get("nodes", 1), micro_batch=train["micro_batch_size"], seq=seq,
                   zero_stage=train["zero_stage"], gradient_checkpointing=bool(train.get("gradient_checkpointing", False)),
                   offload=bool(train.get("offload_optimizer", False)), precision=train["precision"],
                   gpu_memory_bytes=gpu_bytes)
     plans = {}
-    for d in sorted(exp["d_kv"]):
-        over = exp.get("overrides", {}).get(f"dkv{int(d)}", {})
-        r = over.get("r", exp.get("r"))
-        r = max(1, s.head_dim // 16) if r is None else r
-        plans[f"dkv{int(d)}"] = plan_training(cfg_model, d_kv=int(d), r=r, svd=over.get("svd", exp.get("svd", "joint")),
-                                              **common)
-    if exp.get("baseline", True):
-        plans["baseline"] = plan_training(cfg_model, **common)
+    for v in study.experiment_variants(config, ename):
+        if v.is_baseline:
+            plans[v.name] = plan_training(cfg_model, **common)
+            continue
+        r = max(1, s.head_dim // 16) if v.r is None else v.r
+        d_kv = v.d_kv if v.svd != "none" else full_rank_d_kv(cfg_model, r)
+        plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **common)
     return plans
 
 

@@ -1,8 +1,6 @@
 # Helpers of the workflow: config validation, names, paths and input functions.
 # No science here: every number is computed by the `mla` package that the rules call.
 
-import hashlib
-import json
 import re
 import shlex
 import sys
@@ -10,7 +8,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from mla import budgets
+from mla import budgets, study
 from mla.budgets import budget_errors
 from mla.config_schema import schema_problems
 from mla.training.memory import memory_errors
@@ -41,22 +39,21 @@ def _semantic_errors(cfg):
     for ename, exp in cfg["experiments"].items():
         if exp["model"] not in models:
             errors.append((f"experiments.{ename}.model", f"'{exp['model']}' is not a key of models"))
-        known = set(variants_of(exp))
-        for vname in exp["overrides"]:
-            if vname not in known:
-                errors.append((f"experiments.{ename}.overrides.{vname}",
-                               f"no such variant (configured: {', '.join(sorted(known))})"))
-        for vname in known:
-            t = _train_settings(cfg, ename, vname)
-            where = (f"experiments.{ename}.overrides.{vname}" if vname in exp["overrides"]
-                     else f"experiments.{ename}.train" if exp["train"] else "train")
-            ranks = t["nproc"] * t["nodes"]
-            if t["batch_size"] % (t["micro_batch_size"] * ranks):
-                errors.append((f"{where}.batch_size", f"{t['batch_size']} is not divisible by "
-                               f"micro_batch_size * nproc * nodes = {t['micro_batch_size'] * ranks}"))
-            if t["warmup_steps"] + t["decay_steps"] > t["steps"]:
-                errors.append((f"{where}.steps", f"warmup_steps + decay_steps = "
-                               f"{t['warmup_steps'] + t['decay_steps']} exceeds steps = {t['steps']}"))
+    errors += study.variant_errors(cfg)
+    if errors:
+        return errors
+    for v in study.all_variants(cfg):
+        t = v.train
+        exp = cfg["experiments"][v.experiment]
+        where = (f"experiments.{v.experiment}.overrides.{v.name}" if v.name in exp["overrides"]
+                 else f"experiments.{v.experiment}.train" if exp["train"] else "train")
+        ranks = t["nproc"] * t["nodes"]
+        if t["batch_size"] % (t["micro_batch_size"] * ranks):
+            errors.append((f"{where}.batch_size", f"{t['batch_size']} is not divisible by "
+                           f"micro_batch_size * nproc * nodes = {t['micro_batch_size'] * ranks}"))
+        if t["warmup_steps"] + t["decay_steps"] > t["steps"]:
+            errors.append((f"{where}.steps", f"warmup_steps + decay_steps = "
+                           f"{t['warmup_steps'] + t['decay_steps']} exceeds steps = {t['steps']}"))
     if not errors:  # budgets are arithmetic on models and variants that exist
         errors += budget_errors(cfg)
     if not errors:  # every training job of a GPU config must fit train.gpu_memory_gb (mla.training.memory)
@@ -77,18 +74,7 @@ def check_config(cfg):
     return cfg
 
 
-# ---------------------------------------------------------------- names
-def variants_of(exp):
-    """Variant names of one experiment, most compressed first: dkv8, dkv16, ..., baseline."""
-    return budgets.variants(exp)
-
-
-def evaluated_variants(experiment):
-    """Variants with an evaluation: the fine-tuned ones, plus the original model if configured."""
-    extra = ["original"] if config["evaluate"]["original"] else []
-    return extra + variants_of(config["experiments"][experiment])
-
-
+# ---------------------------------------------------------------- names (all from mla.study)
 def root_model(name):
     """The model whose tokenizer (and data) a model uses: derived models share their parent's."""
     return budgets.root_model(config, name)
@@ -98,104 +84,25 @@ def model_label(name):
     return config["models"][name].get("label", name)
 
 
-def experiment_model(experiment):
-    return config["experiments"][experiment]["model"]
-
-
 def _alternatives(values):
     return "|".join(re.escape(str(v)) for v in sorted(set(values), key=str)) or "(?!)"
-
-
-# ---------------------------------------------------------------- settings of one variant
-def variant_settings(experiment, variant):
-    """Everything that determines one variant's model and training run (merged overrides)."""
-    exp = config["experiments"][experiment]
-    if variant not in variants_of(exp):
-        raise WorkflowError(f"experiment '{experiment}' has no variant '{variant}'")
-    over = exp["overrides"].get(variant, {})
-    s = {
-        "experiment": experiment,
-        "variant": variant,
-        "model": exp["model"],
-        "d_kv": int(variant[3:]) if variant.startswith("dkv") else None,
-        "r": over.get("r", exp["r"]),
-        "rope_strategy": over.get("rope_strategy", exp["rope_strategy"]),
-        "svd": over.get("svd", exp["svd"]),
-        "train": _train_settings(config, experiment, variant),
-        "data": dict(config["data"], block_length=block_length(exp["model"])),
-        "sources": _source_chain(exp["model"]),
-        "calibrate": config["calibrate"],
-    }
-    if variant == "baseline":
-        for k in ("r", "rope_strategy", "svd"):
-            s[k] = None
-    return s
-
-
-def _source_chain(name):
-    """The model's source entry and those it derives from (a changed revision changes the hash)."""
-    chain = [config["models"][name]]
-    while chain[-1]["source"] == "mha-from-gqa":
-        chain.append(config["models"][chain[-1]["from"]])
-    return chain
-
-
-def _train_settings(cfg, experiment, variant):
-    """Global train recipe < experiment's `train` < the variant's overrides."""
-    return budgets.train_settings(cfg, experiment, variant)
 
 
 def block_length(model):
     return budgets.block_length(config, model)
 
 
-# How a run is launched, not what it computes (see mla/training/resume.py): kept out of the run's name.
-LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
-               "save_steps", "device", "gpu_memory_gb")
-
-
-def settings_hash(experiment, variant):
-    """Short hash of what a variant computes (launch settings left out): names its MLflow run."""
-    s = variant_settings(experiment, variant)
-    s = dict(s, train={k: v for k, v in s["train"].items() if k not in LAUNCH_KEYS})
-    blob = json.dumps(s, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
-
-
-def run_name(experiment, variant):
-    return f"{experiment}-{variant}-{settings_hash(experiment, variant)}"
-
-
-def needs_scores(experiment, variant):
-    return variant.startswith("dkv") and variant_settings(experiment, variant)["rope_strategy"] == "2-norm"
-
-
-# ---------------------------------------------------------------- paths
-def model_dir(name):
-    return f"results/models/{name}"
+model_dir = study.model_dir
 
 
 def data_dir(model):
     return f"results/data/{root_model(model)}"
 
 
-def start_checkpoint(experiment, variant):
-    """What a fine-tuning run starts from: the converted model, or the original for the baseline."""
-    if variant == "baseline":
-        return model_dir(experiment_model(experiment))
-    return f"results/convert/{experiment}/{variant}"
-
-
-def finetune_dir(experiment, variant):
-    return f"results/finetune/{experiment}/{variant}"
-
-
-def all_targets():
-    targets = []
-    for e, exp in config["experiments"].items():
-        targets += [f"results/evaluate/{e}/{v}/eval.json" for v in evaluated_variants(e)]
-        targets += [f"results/tables/{e}.csv", f"results/tables/{e}.md"]
-    return targets + ["results/figures/loss.png", "results/figures/loss.pdf"]
+# MLflow settings name where runs are recorded, not what they compute: the rules read these globals in
+# their shell commands (never in params), so changing them reruns nothing.
+TRACKING_URI = config["mlflow"]["tracking_uri"]
+MLFLOW_EXPERIMENT = config["mlflow"]["experiment"]
 
 
 # ---------------------------------------------------------------- download rules
@@ -232,47 +139,56 @@ def data_args(wc):
             f" --validation-fraction {d['validation_fraction']} --seed {d['seed']}")
 
 
-# ---------------------------------------------------------------- convert rules
+# ---------------------------------------------------------------- calibrate and convert rules
 def convert_inputs(wc):
-    variant = f"dkv{wc.d_kv}"
-    inputs = {"model": model_dir(experiment_model(wc.experiment))}
-    if needs_scores(wc.experiment, variant):
-        inputs["scores"] = f"results/calibrate/{experiment_model(wc.experiment)}/scores.pt"
-    return inputs
+    return {"model": model_dir(wc.model), **study.calibration_files(wc.model)}
 
 
 def convert_args(wc):
     # params depend on wildcards only: Snakemake compares them with the last run (rerun trigger)
-    variant = f"dkv{wc.d_kv}"
-    s = variant_settings(wc.experiment, variant)
-    args = f"--rope-strategy {s['rope_strategy']} --svd {s['svd']}"
-    if s["r"] is not None:
-        args += f" --r {s['r']}"
-    if needs_scores(wc.experiment, variant):
-        args += f" --scores results/calibrate/{experiment_model(wc.experiment)}/scores.pt"
-    return args
+    v = STUDY.conversion(wc.model, wc.conversion)
+    calib = study.calibration_files(wc.model)
+    args = ["--rope-strategy", v.rope_strategy, "--svd", v.svd]
+    if v.d_kv is not None:
+        args += ["--d-kv", v.d_kv]
+    if v.r is not None:
+        args += ["--r", v.r]
+    if v.rope_strategy == "2-norm":
+        args += ["--scores", calib["scores"]]
+    # whitened: fit the SVD to the covariances; plain: only report the output error on held-out blocks
+    args += ["--whiten" if v.whiten else "--covariance", calib["covariance"]]
+    return " ".join(shlex.quote(str(a)) for a in args)
 
 
 # ---------------------------------------------------------------- finetune rules
+def _run(wc):
+    return STUDY.run(wc.model, wc.start, wc.recipe)
+
+
+def start_checkpoint(wc):
+    """What a fine-tuning run starts from: the converted model, or the original for the baseline."""
+    return model_dir(wc.model) if wc.start == "baseline" else study.convert_dir(wc.model, wc.start)
+
+
 def finetune_nodes(wc):
-    return variant_settings(wc.experiment, wc.variant)["train"]["nodes"]
+    return _run(wc).train["nodes"]
 
 
 def finetune_gpus(wc):
     """One node: sbatch --gpus=nproc. Several nodes request theirs per node (finetune_gres)."""
-    train = variant_settings(wc.experiment, wc.variant)["train"]
+    train = _run(wc).train
     return train["nproc"] if train["device"] == "gpu" and train["nodes"] == 1 else 0
 
 
 def finetune_gres(wc):
     """Several nodes: sbatch --gres=gpu:nproc, i.e. nproc GPUs on each node (--gpus would be a job total)."""
-    train = variant_settings(wc.experiment, wc.variant)["train"]
+    train = _run(wc).train
     return f"gpu:{train['nproc']}" if train["device"] == "gpu" and train["nodes"] > 1 else ""
 
 
 def finetune_args(wc):
-    s = variant_settings(wc.experiment, wc.variant)
-    t = s["train"]
+    """The recipe and how it is launched (a run shared by variants takes the first one's launch settings)."""
+    t = _run(wc).train
     args = [
         "--steps", t["steps"], "--lr", t["lr"], "--warmup-steps", t["warmup_steps"],
         "--decay-steps", t["decay_steps"], "--global-batch", t["batch_size"],
@@ -282,23 +198,14 @@ def finetune_args(wc):
         "--nproc", t["nproc"], "--nodes", t["nodes"], "--save-steps", t["save_steps"],
         "--device", "cuda" if t["device"] == "gpu" else "cpu",
         "--gradient-checkpointing" if t["gradient_checkpointing"] else "--no-gradient-checkpointing",
-        "--tracking-uri", config["mlflow"]["tracking_uri"], "--experiment", config["mlflow"]["experiment"],
-        "--run-name", run_name(wc.experiment, wc.variant), "--model-name", model_label(s["model"]),
-        "--variant", wc.variant, "--tag", f"experiment={wc.experiment}",
-        "--tag", f"snakemake_wildcards=experiment={wc.experiment},variant={wc.variant}",
-        "--tag", f"settings_hash={settings_hash(wc.experiment, wc.variant)}",
     ]
-    if s["d_kv"] is not None:
-        args += ["--d-kv", s["d_kv"]]
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
 # ---------------------------------------------------------------- evaluate rules
 def evaluate_args(wc):
     e = config["evaluate"]
-    args = ["--variant", wc.variant,
-            "--tracking-uri", config["mlflow"]["tracking_uri"],
-            "--paper-tasks", e["paper_tasks"], "--kv-new-tokens", e["kv_new_tokens"],
+    args = ["--paper-tasks", e["paper_tasks"], "--kv-new-tokens", e["kv_new_tokens"],
             "--decode-grid", ",".join(e["decode_grid"]) or "none", "--decode-steps", e["decode_steps"]]
     if e["perplexity_blocks"] is not None:
         args += ["--max-blocks", e["perplexity_blocks"]]
@@ -308,47 +215,54 @@ def evaluate_args(wc):
         args += ["--no-local-task"]
     if e["paper_limit"] is not None:
         args += ["--paper-limit", e["paper_limit"]]
-    if wc.variant == "original":  # not trained: its own MLflow run in the same experiment
-        args += ["--experiment", config["mlflow"]["experiment"], "--run-name", f"{wc.experiment}-original"]
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
-def evaluate_inputs(wc):
-    inputs = {"data": data_dir(experiment_model(wc.experiment)), "store": "results/mlflow.ready"}
-    if wc.variant == "original":
-        inputs["model"] = model_dir(experiment_model(wc.experiment))
-    else:
-        inputs["model"] = f"{finetune_dir(wc.experiment, wc.variant)}/final"
-        inputs["run"] = f"{finetune_dir(wc.experiment, wc.variant)}/run.json"
-    return inputs
-
-
 # ---------------------------------------------------------------- figures rules
+def plot_inputs(wc):
+    inputs = []
+    for v in STUDY.variants:
+        inputs.append(f"{v.run_dir}/metrics.csv")
+        if not v.is_baseline:
+            inputs.append(v.convert_dir)
+    return list(dict.fromkeys(inputs))
+
+
 def plot_args(wc):
     args = []
     for e, exp in config["experiments"].items():
         # the paper's panel titles: method and model, e.g. "MHA2MLA: Llama2-7B"
         args += ["--panel", f"{exp['kind'].upper()}2MLA: {model_label(exp['model'])}", "--kind", exp["kind"]]
-        for v in variants_of(exp):
-            key = "baseline" if v == "baseline" else v[3:]
-            args += ["--run", f"{key}={finetune_dir(e, v)}/metrics.csv"]
+        for v in STUDY.experiment(e):
+            key = "baseline" if v.is_baseline else v.name
+            args += ["--run", f"{key}={v.run_dir}/metrics.csv", "--label", v.label]
+            if not v.is_baseline:
+                args += ["--conversion", f"{v.convert_dir}/conversion.json"]
     return " ".join(shlex.quote(a) for a in args)
-
-
-def mlflow_summary_args():
-    m = config["mlflow"]
-    return f"--tracking-uri {shlex.quote(m['tracking_uri'])} --experiment {shlex.quote(m['experiment'])}"
 
 
 def table_inputs(wc):
     inputs = {}
-    for v in evaluated_variants(wc.experiment):
-        inputs[f"eval_{v}"] = f"results/evaluate/{wc.experiment}/{v}/eval.json"
-        if v != "original":
-            inputs[f"metrics_{v}"] = f"{finetune_dir(wc.experiment, v)}/metrics.csv"
-        if v.startswith("dkv"):
-            inputs[f"convert_{v}"] = f"results/convert/{wc.experiment}/{v}"
+    for name, path, v in STUDY.evaluated(wc.experiment):
+        inputs[f"eval_{name}"] = path
+        if v is not None:
+            inputs[f"metrics_{name}"] = f"{v.run_dir}/metrics.csv"
+            if not v.is_baseline:
+                inputs[f"convert_{name}"] = v.convert_dir
     return inputs
+
+
+def _paper_row(v):
+    """The paper's row beside a variant: its `paper:` key, else Table 1's row when it uses the paper's
+    recipe (S_2-norm, SVD_joint, the d_kv short form), else none."""
+    if v is None:
+        return "original"
+    if v.paper is not None:
+        return str(v.paper)
+    if v.is_baseline:
+        return "baseline"
+    recipe = v.rope_strategy == "2-norm" and v.svd == "joint" and v.name == f"dkv{v.d_kv}"
+    return str(v.d_kv) if recipe else "none"
 
 
 def table_args(wc):
@@ -356,10 +270,11 @@ def table_args(wc):
     model = config["models"][exp["model"]]
     args = ["--title", f"{wc.experiment}: {model_label(exp['model'])}", "--model", model_label(exp["model"]),
             "--paper-model", model.get("paper", "none")]
-    for v in evaluated_variants(wc.experiment):
-        args += ["--variant", v, "--eval", f"results/evaluate/{wc.experiment}/{v}/eval.json"]
-        if v != "original":
-            args += ["--metrics", f"{finetune_dir(wc.experiment, v)}/metrics.csv"]
-        if v.startswith("dkv"):
-            args += ["--d-kv", v[3:], "--conversion", f"results/convert/{wc.experiment}/{v}/conversion.json"]
+    for name, path, v in STUDY.evaluated(wc.experiment):
+        args += ["--variant", name, "--eval", path, "--paper-row", _paper_row(v)]
+        if v is not None:
+            args += ["--label", v.label, "--metrics", f"{v.run_dir}/metrics.csv",
+                     "--run-json", f"{v.run_dir}/run.json"]
+            if not v.is_baseline:
+                args += ["--conversion", f"{v.convert_dir}/conversion.json"]
     return " ".join(shlex.quote(a) for a in args)

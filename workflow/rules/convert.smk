@@ -1,18 +1,18 @@
-# Original checkpoint -> MLA checkpoint, one per (experiment, d_kv): partial RoPE + low-rank init.
+# Original checkpoint -> MLA checkpoint, once per (model, partial-RoPE + SVD settings): partial RoPE +
+# low-rank init. Variants of any experiment with the same settings share it (mla/study.py).
 
 
 rule convert:
     input:
         unpack(convert_inputs),
     output:
-        directory("results/convert/{experiment}/dkv{d_kv}"),
+        directory("results/convert/{model}/{conversion}"),
     params:
         args=convert_args,
     log:
-        "logs/convert/{experiment}/dkv{d_kv}.log",
+        "logs/convert/{model}/{conversion}.log",
     benchmark:
-        "benchmarks/convert/{experiment}/dkv{d_kv}.tsv"
+        "benchmarks/convert/{model}/{conversion}.tsv"
     threads: 2
     shell:
-        "OMP_NUM_THREADS={threads} {MLA} convert --model {input.model} --out {output}"
-        " --d-kv {wildcards.d_kv} {params.args} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {MLA} convert --model {input.model} --out {output} {params.args} > {log} 2>&1"

@@ -8,21 +8,43 @@ EVALUATE_DEVICE = "cuda" if config["evaluate"]["device"] == "gpu" else "cpu"
 
 rule evaluate:
     input:
-        unpack(evaluate_inputs),
+        model="results/finetune/{model}/{start}/{recipe}/final",
+        run="results/finetune/{model}/{start}/{recipe}/run.json",
+        data=lambda wc: data_dir(wc.model),
     output:
-        "results/evaluate/{experiment}/{variant}/eval.json",
+        "results/evaluate/{model}/{start}/{recipe}/eval.json",
     params:
         args=evaluate_args,
-        run=lambda wc: "" if wc.variant == "original" else f"--run-json {finetune_dir(wc.experiment, wc.variant)}/run.json",
-    wildcard_constraints:
-        variant=_alternatives(["original", *(v for e in config["experiments"].values() for v in variants_of(e))]),
     log:
-        "logs/evaluate/{experiment}/{variant}.log",
+        "logs/evaluate/{model}/{start}/{recipe}.log",
     benchmark:
-        "benchmarks/evaluate/{experiment}/{variant}.tsv"
+        "benchmarks/evaluate/{model}/{start}/{recipe}.tsv"
     threads: 2
     resources:
         gpu=1 if EVALUATE_DEVICE == "cuda" else 0,
     shell:
-        "MLA_SNAKEMAKE_RULE={rule} {MLA} evaluate --model {input.model} --data {input.data}"
-        " --out {output} {params.args} {params.run} --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"
+        "MLA_SNAKEMAKE_RULE={rule} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
+        " --variant {wildcards.start} {params.args} --tracking-uri {TRACKING_URI:q} --run-json {input.run}"
+        " --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"
+
+
+# The original model, once per model whatever the number of experiments: its own MLflow run.
+rule evaluate_original:
+    input:
+        model=lambda wc: model_dir(wc.model),
+        data=lambda wc: data_dir(wc.model),
+    output:
+        "results/evaluate/{model}/original/eval.json",
+    params:
+        args=evaluate_args,
+    log:
+        "logs/evaluate/{model}/original.log",
+    benchmark:
+        "benchmarks/evaluate/{model}/original.tsv"
+    threads: 2
+    resources:
+        gpu=1 if EVALUATE_DEVICE == "cuda" else 0,
+    shell:
+        "MLA_SNAKEMAKE_RULE={rule} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
+        " --variant original {params.args} --tracking-uri {TRACKING_URI:q} --experiment {MLFLOW_EXPERIMENT:q}"
+        " --run-name {wildcards.model}/original --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"

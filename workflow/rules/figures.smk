@@ -4,17 +4,17 @@
 
 rule plot:
     input:
-        [f"{finetune_dir(e, v)}/metrics.csv" for e, exp in config["experiments"].items() for v in variants_of(exp)],
+        plot_inputs,
     output:
         png=report("results/figures/loss.png", caption="../report/loss.rst", category="Figures"),
         pdf="results/figures/loss.pdf",
     params:
         args=plot_args,
-        mlflow=mlflow_summary_args(),
     log:
         "logs/plot/loss.log",
     shell:
-        "MLA_SNAKEMAKE_RULE={rule} {MLA} plot --out results/figures/loss {params.args} {params.mlflow} > {log} 2>&1"
+        "MLA_SNAKEMAKE_RULE={rule} {MLA} plot --out results/figures/loss {params.args}"
+        " --tracking-uri {TRACKING_URI:q} --experiment {MLFLOW_EXPERIMENT:q} > {log} 2>&1"
 
 
 rule table:
@@ -26,9 +26,8 @@ rule table:
         md="results/tables/{experiment}.md",
     params:
         args=table_args,
-        mlflow=mlflow_summary_args(),
     log:
         "logs/table/{experiment}.log",
     shell:
         "MLA_SNAKEMAKE_RULE={rule} {MLA} table --out results/tables/{wildcards.experiment} {params.args}"
-        " {params.mlflow} > {log} 2>&1"
+        " --tracking-uri {TRACKING_URI:q} --experiment {MLFLOW_EXPERIMENT:q} --study {wildcards.experiment} > {log} 2>&1"

@@ -1,0 +1,177 @@
+"""The study module: variants with any settings, jobs keyed by what they compute (shared work once),
+names and MLflow settings outside every key, bad variants named; and `svd: none` (partial RoPE only)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mla import budgets, study
+from mla.config_schema import validated
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_config() -> dict:
+    return validated(yaml.safe_load((ROOT / "config.yaml").read_text()))
+
+
+def config_of(path: str) -> dict:
+    return validated(yaml.safe_load((ROOT / path).read_text()))
+
+
+def test_short_form_names_labels_and_paths():
+    cfg = default_config()
+    variants = study.experiment_variants(cfg, "gqa2mla")
+    assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
+    assert [v.label for v in variants] == ["GQA2MLA d_kv = 8", "GQA2MLA d_kv = 16", "GQA2MLA d_kv = 32", "GQA"]
+    v8 = variants[0]
+    assert v8.conversion == "2-norm-r4-joint-dkv8"
+    assert v8.convert_dir == "results/convert/smollm2-135m/2-norm-r4-joint-dkv8"
+    assert v8.run_dir == f"results/finetune/smollm2-135m/2-norm-r4-joint-dkv8/{v8.recipe}"
+    assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
+    assert variants[-1].is_baseline and variants[-1].conversion is None
+
+
+def test_named_variants_with_their_own_settings_and_overrides():
+    cfg = default_config()
+    exp = cfg["experiments"]["gqa2mla"]
+    exp["variants"] = {"high-split": {"d_kv": 8, "rope_strategy": "high", "svd": "split", "lr": 3e-4,
+                                      "label": "S_high + SVD_split"},
+                       "rope-only": {"svd": "none", "rope_strategy": "uniform", "paper": "S_uniform"}}
+    exp["overrides"] = {"dkv16": {"whiten": True}, "rope-only": {"r": 2}}
+    by_name = {v.name: v for v in study.experiment_variants(cfg, "gqa2mla")}
+    assert list(by_name) == ["dkv8", "dkv16", "dkv32", "high-split", "rope-only", "baseline"]
+    hs = by_name["high-split"]
+    assert (hs.d_kv, hs.rope_strategy, hs.svd, hs.train["lr"], hs.label) == (8, "high", "split", 3e-4,
+                                                                              "S_high + SVD_split")
+    assert hs.recipe != by_name["dkv8"].recipe            # another learning rate: another training run
+    assert by_name["dkv16"].conversion == "2-norm-r4-joint-white-dkv16"
+    ro = by_name["rope-only"]
+    assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none", "S_uniform")
+    assert study.variant_errors(cfg) == []
+
+
+def test_identical_work_is_one_job_across_variants_and_experiments():
+    """Two experiments on one model with one recipe: one baseline run and one original evaluation; two
+    variants with the same settings under different names: one conversion and one run."""
+    cfg = default_config()
+    cfg["experiments"]["again"] = copy.deepcopy(cfg["experiments"]["gqa2mla"])
+    cfg["experiments"]["again"]["d_kv"] = [8]
+    cfg["experiments"]["again"]["variants"] = {"same-as-16": {"d_kv": 16, "label": "another name"}}
+    s = study.Study(validated(cfg))
+    jobs = s.jobs()
+    assert jobs["variants"] == 8 + 3
+    assert jobs["runs"] == 8 and jobs["conversions"] == 6 and jobs["original_evaluations"] == 2
+    rows = {name: path for name, path, _ in s.evaluated("again")}
+    assert rows["original"] == dict((n, p) for n, p, _ in s.evaluated("gqa2mla"))["original"]
+    assert rows["same-as-16"] == dict((n, p) for n, p, _ in s.evaluated("gqa2mla"))["dkv16"]
+    # the shared runs count once in the token budget too
+    assert budgets.train_tokens(s.config, "smollm2-135m") == budgets.train_tokens(default_config(), "smollm2-135m")
+
+
+def test_names_labels_and_mlflow_settings_are_not_part_of_any_job():
+    cfg = default_config()
+    before = study.Study(cfg)
+    renamed = copy.deepcopy(cfg)
+    renamed["mlflow"] = {"experiment": "elsewhere", "tracking_uri": "sqlite:////tmp/other.db"}
+    exp = renamed["experiments"].pop("gqa2mla")
+    exp["variants"] = {}
+    exp["overrides"] = {"dkv8": {"label": "eight"}, "baseline": {"label": "the baseline"}}
+    renamed["experiments"]["renamed-panel"] = exp
+    after = study.Study(renamed)
+    assert set(before.runs()) == set(after.runs()) and set(before.conversions()) == set(after.conversions())
+    jobs = [p for p in before.targets() if p.startswith("results/evaluate")]
+    assert jobs == [p for p in after.targets() if p.startswith("results/evaluate")]
+    # a launch setting does not change the run either; a recipe setting does
+    launch = copy.deepcopy(cfg)
+    launch["train"]["nproc"], launch["train"]["micro_batch_size"] = 2, 2
+    assert set(study.Study(launch).runs()) == set(before.runs())
+    recipe = copy.deepcopy(cfg)
+    recipe["train"]["lr"] = 2e-4
+    assert not set(study.Study(recipe).runs()) & set(before.runs())
+
+
+@pytest.mark.parametrize("change, key, message", [
+    ({"variants": {"baseline": {"d_kv": 8}}}, "experiments.gqa2mla.variants.baseline", "reserved"),
+    ({"variants": {"dkv8": {"d_kv": 8}}}, "experiments.gqa2mla.variants.dkv8", "already a variant"),
+    ({"variants": {"x": {"svd": "joint"}}}, "experiments.gqa2mla.variants.x.d_kv", "needs a latent size"),
+    ({"variants": {"x": {"svd": "none", "d_kv": 8}}}, "experiments.gqa2mla.variants.x.d_kv", "full rank"),
+    ({"variants": {"x": {"svd": "none", "whiten": True}}}, "experiments.gqa2mla.variants.x.whiten", "joint or split"),
+    ({"overrides": {"dkv64": {"r": 2}}}, "experiments.gqa2mla.overrides.dkv64", "no such variant"),
+    ({"variants": {"x": {"d_kv": 4, "label": "GQA"}}}, "experiments.gqa2mla", "share the legend label 'GQA'"),
+    ({"d_kv": [], "baseline": False}, "experiments.gqa2mla", "no variants"),
+])
+def test_bad_variants_are_named(change, key, message):
+    cfg = default_config()
+    cfg["experiments"]["gqa2mla"].update(change)
+    errors = study.variant_errors(validated(cfg))
+    assert any(k == key and message in m for k, m in errors), errors
+
+
+def test_the_ablation_configs_express_the_papers_ablations():
+    rope = study.Study(config_of("configs/ablation-rope.yaml"))
+    vs = rope.experiment("ablation-rope")
+    assert [v.rope_strategy for v in vs if not v.is_baseline] == ["high", "low", "uniform", "2-norm"]
+    assert {(v.svd, v.r, v.d_kv) for v in vs if not v.is_baseline} == {("none", 4, None)}
+    assert vs[-1].is_baseline
+    svd = study.Study(config_of("configs/ablation-svd.yaml"))
+    vs = [v for v in svd.experiment("ablation-svd") if not v.is_baseline]
+    assert {(v.svd, v.whiten) for v in vs} == {("joint", False), ("split", False), ("joint", True), ("split", True)}
+    assert sorted({v.d_kv for v in vs}) == [8, 16]
+    from mla import paper_numbers
+
+    for v in [*vs, *rope.variants]:   # every paper row a variant names exists
+        assert v.paper is None or paper_numbers.paper_row("SmolLM-135M", v.paper) is not None, v
+
+
+def test_the_default_mha_panel_compresses_by_the_papers_fractions_of_d_h():
+    """Paper, Llama-2-7B (d_h 128): d_kv 16/32/64 = d_h/8, /4, /2; the default's SmolLM2 has d_h 64."""
+    cfg = default_config()
+    d_h = 64
+    assert [v.d_kv / d_h for v in study.experiment_variants(cfg, "mha2mla") if v.d_kv] == [1 / 8, 1 / 4, 1 / 2]
+    paper = config_of("configs/paper.yaml")
+    assert [v.d_kv / 128 for v in study.experiment_variants(paper, "mha2mla") if v.d_kv] == [1 / 8, 1 / 4, 1 / 2]
+
+
+# ---------------------------------------------------------------- svd: none (partial RoPE only)
+def test_svd_none_keeps_keys_and_values_exact():
+    """Keeping every RoPE pair, `svd: none` is the original model; with r < d_h/2 only RoPE changed, so
+    the K/V factorisation is exact and a GQA model's cache is the original size (d_kv + 2r = 2 d_h)."""
+    from mla.convert import convert_model
+    from mla.testing import tiny_llama
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 500, (2, 20))
+    model = tiny_llama(num_kv_heads=2)
+    d_h = model.config.hidden_size // model.config.num_attention_heads
+    ref = model(ids).logits
+    every_pair, report = convert_model(model, None, r=d_h // 2, strategy="high", svd="none")
+    assert torch.allclose(every_pair(ids).logits, ref, atol=1e-4)
+    _, report = convert_model(tiny_llama(num_kv_heads=2), None, r=2, strategy="high", svd="none")
+    assert report["d_kv"] == 2 * d_h - 4 and report["reconstruction_error_mean"] < 1e-5
+    assert report["kv_reduction_percent"] == 0.0
+
+
+def test_convert_cli_svd_none_refuses_a_d_kv_and_whitening(tmp_path):
+    from mla.testing import tiny_llama
+
+    src = tmp_path / "src"
+    tiny_llama(num_kv_heads=2).save_pretrained(src)
+    base = [sys.executable, "-m", "mla", "convert", "--model", str(src), "--out", str(tmp_path / "out"),
+            "--rope-strategy", "high", "--r", "2", "--svd", "none"]
+    r = subprocess.run([*base, "--d-kv", "8"], capture_output=True, text=True)
+    assert r.returncode == 2 and "leave out --d-kv 8" in r.stderr
+    r = subprocess.run([*base, "--whiten", str(tmp_path / "cov.pt")], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs --svd joint or split" in r.stderr
+    r = subprocess.run(base[:-2] + ["--svd", "joint"], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs --d-kv" in r.stderr
+    r = subprocess.run(base, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "d_kv=28" in r.stdout
