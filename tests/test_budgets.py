@@ -60,23 +60,26 @@ def test_derived_models_share_their_roots_data():
     base = t["steps"] * t["batch_size"] * cfg["data"]["block_length"]
     assert train_tokens(validated(cfg), "smollm2-135m") == base
     # a longer run of the derived model's experiment grows the one data folder both use
-    cfg["experiments"]["mha2mla"]["overrides"] = {"dkv64": {"steps": 3 * t["steps"]}}
+    cfg["experiments"]["mha2mla"]["overrides"] = {"dkv32": {"steps": 3 * t["steps"]}}
     cfg = validated(cfg)
     assert train_tokens(cfg, "smollm2-135m") == train_tokens(cfg, "smollm2-135m-mha") == 3 * base
     cfg["data"]["max_tokens"] = 3 * base - 1
     errors = budget_errors(cfg)
     assert errors and errors[0][0] == "data.max_tokens" and "'smollm2-135m'" in errors[0][1]
-    assert "experiments.mha2mla dkv64" in errors[0][1]
+    assert "experiments.mha2mla dkv32" in errors[0][1]
 
 
-def test_calibration_samples_count_as_training_blocks_where_2norm_is_used():
-    cfg = load("configs/smoke.yaml")  # gqa2mla (tiny-gqa) uses 2-norm, mha2mla (tiny-mha, same data) `high`
+def test_calibration_samples_count_as_training_blocks_where_a_variant_converts():
+    """Every conversion reads the calibration pass (2-norm scores, input covariances); a model with only
+    the baseline has none."""
+    cfg = load("configs/smoke.yaml")  # tiny-mha derives from tiny-gqa: the same data
     cfg["calibrate"]["samples"] = 500  # more blocks than 4 steps x 2 sequences
     length = cfg["data"]["block_length"]
     assert train_tokens(validated(cfg), "tiny-mha") == 500 * length
-    cfg["experiments"]["gqa2mla"]["rope_strategy"] = "uniform"  # no calibration job left
+    for exp in cfg["experiments"].values():
+        exp["d_kv"] = []                # baselines only: no conversion, no calibration
     assert train_tokens(validated(cfg), "tiny-mha") == 4 * 2 * length
-    cfg["experiments"]["mha2mla"]["overrides"] = {"dkv8": {"rope_strategy": "2-norm"}}  # one variant calibrates
+    cfg["experiments"]["mha2mla"]["variants"] = {"rope-only": {"svd": "none", "rope_strategy": "uniform"}}
     assert train_tokens(validated(cfg), "tiny-gqa") == 500 * length
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla import budgets, rehearsal
+from mla import budgets, rehearsal, study
 from mla.sources import sha256_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,8 +84,8 @@ def test_overlay_keeps_the_papers_code_paths_at_tiny_size():
     assert len({budgets.block_length(cfg, m) for m in cfg["models"]}) == 2  # per-model block lengths
     for ename, exp in cfg["experiments"].items():
         assert (exp["rope_strategy"], exp["svd"]) == ("2-norm", "joint")
-        for variant in budgets.variants(exp):
-            t = budgets.train_settings(cfg, ename, variant)
+        for v in study.experiment_variants(cfg, ename):
+            t = v.train
             assert (t["precision"], t["zero_stage"]) == ("bf16", 2)
             assert t["nproc"] == 2 and t["batch_size"] // (t["micro_batch_size"] * t["nproc"]) >= 2  # accumulation
             assert t["save_steps"] < t["steps"]  # a resume checkpoint is written mid-run
@@ -121,14 +121,15 @@ def test_paper_config_still_plans_the_papers_jobs(tmp_path):
     assert (counts["convert"], counts["finetune"], counts["evaluate"]) == (6, 8, 10)
     cfg = rehearsal.load_config(PAPER)
     for ename, exp in cfg["experiments"].items():
-        t = budgets.train_settings(cfg, ename, "baseline")
-        for variant in budgets.variants(exp):
-            line = next(li for li in out.splitlines() if f"--out results/finetune/{ename}/{variant} " in li)
+        for v in study.experiment_variants(cfg, ename):
+            t = v.train
+            line = next(li for li in out.splitlines() if f"--out {v.run_dir} " in li)
             assert (f"--steps 12000 " in line and f"--global-batch {t['batch_size']} " in line
                     and f"--micro-batch {t['micro_batch_size']} " in line and f"--nproc {t['nproc']} " in line
                     and "--precision bf16" in line and "--zero-stage 2" in line), line
-        for d in exp["d_kv"]:
-            assert f"--out results/convert/{ename}/dkv{d} --d-kv {d} --rope-strategy 2-norm --svd joint --r {exp['r']}" in out
+            if not v.is_baseline:
+                assert (f"--out {v.convert_dir} --rope-strategy 2-norm --svd joint --d-kv {v.d_kv} --r {exp['r']}"
+                        f" --scores results/calibrate/{v.model}/scores.pt") in out
     # the data of each model holds exactly what its runs consume (12.6B and 1.57B tokens)
     data = {m: next(li for li in out.splitlines() if " mla data " in li and f"--out results/data/{m} " in li)
             for m in ("llama2-7b", "smollm-135m")}
@@ -180,12 +181,13 @@ def test_paper_rehearsal_runs_and_checks_the_whole_dag(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     assert "paper-rehearsal: passed" in r.stdout
     # the checker is not vacuous: a paper task skipped in one evaluation fails it, naming the file
-    ev = work / "results/evaluate/gqa2mla/baseline/eval.json"
+    baseline = study.experiment_variants(rehearsal.load_config(PAPER, OVERLAY), "gqa2mla")[-1]
+    ev = work / baseline.eval_path
     result = json.loads(ev.read_text())
     result["benchmarks"]["paper"] = {"status": "skipped", "reason": "HF_HUB_OFFLINE is set"}
     ev.write_text(json.dumps(result))
     problems = rehearsal.check_outputs(work)
-    assert len(problems) == 1 and "gqa2mla/baseline/eval.json" in problems[0] and "skipped" in problems[0]
+    assert len(problems) == 1 and baseline.eval_path in problems[0] and "skipped" in problems[0]
 
 
 def test_paper_rehearsal_exits_nonzero_with_the_reason(tmp_path):

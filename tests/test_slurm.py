@@ -136,11 +136,13 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
     ctld_log = (state / "log/slurmctld.log").read_text()
     assert r.returncode == 0, f"rc={r.returncode}\n{out[-6000:]}\n--- slurmctld.log\n{ctld_log[-3000:]}"
 
-    # jobs Snakemake planned (all but the local target rule `all`)
+    # jobs Snakemake planned, but the local rules (`all` and the bookkeeping of figures and tables run on
+    # the submitting host, not as cluster jobs)
     stats = out.split("Job stats:", 1)[1]
     planned = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, flags=re.M)
-               if m.group(1) not in ("all", "total")}
+               if m.group(1) not in ("all", "total", "plot", "table")}
     assert planned.get("finetune") and planned.get("convert")
+    assert "localrule plot:" in out and "localrule table:" in out
 
     # every one of them is a SLURM job that completed, named by the plugin's comment rule_<rule>_...
     jobs = {i: v for i, v in squeue_jobs(env).items() if i not in before}
@@ -172,6 +174,15 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
         assert tags.get("slurm_job_id") in jobs, (f, tags.get("slurm_job_id"))
 
 
+def smoke_variant(experiment: str, name: str):
+    """A variant of the smoke config, with the paths the workflow gives its jobs (mla.study)."""
+    from mla import study
+    from mla.config_schema import validated
+
+    cfg = validated(yaml.safe_load(SMOKE.read_text()))
+    return next(v for v in study.experiment_variants(cfg, experiment) if v.name == name)
+
+
 def scontrol_job(job_id: str, env) -> dict:
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env,
                          check=True).stdout
@@ -183,7 +194,9 @@ def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster,
     state, env = cluster
     work, profile, smoke, _ = smoke_run
     assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
-    target = "results/finetune/gqa2mla/dkv8"
+    v8 = smoke_variant("gqa2mla", "dkv8")
+    target = v8.run_dir
+    log_path = work / "logs/finetune" / v8.model / v8.start / f"{v8.recipe}.log"
     one_node = [float(r["loss"]) for r in csv.DictReader(open(work / target / "metrics.csv"))]
 
     config = yaml.safe_load(SMOKE.read_text())
@@ -193,18 +206,18 @@ def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster,
     before = set(squeue_jobs(env))
     r = run_workflow(env, work, profile, configfile, f"{target}/run.json")
     out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:] + (work / "logs/finetune/gqa2mla/dkv8.log").read_text()[-3000:]
+    assert r.returncode == 0, out[-6000:] + log_path.read_text()[-3000:]
 
     # one SLURM job for the run, on both nodes, one task (launcher) per node
     jobs = {i: c for i, (_, c) in squeue_jobs(env).items() if i not in before}
     [(job_id, comment)] = jobs.items()
-    assert comment.startswith("rule_finetune_wildcards_gqa2mla_dkv8"), comment
+    assert comment.startswith(f"rule_finetune_wildcards_{v8.model}_{v8.start}_{v8.recipe}"), comment
     record = scontrol_job(job_id, env)
     assert record["JobState"] == "COMPLETED"
     assert (record["NumNodes"], record["NumTasks"], record["NodeList"]) == ("2", "2", "node[1-2]"), record
 
     # inside: srun started one torchrun per node, ranks 0 and 1 ran on different nodes
-    log = (work / "logs/finetune/gqa2mla/dkv8.log").read_text()
+    log = log_path.read_text()
     assert f"srun --jobid={job_id} --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1" in log
     nodes = sorted(m.group(1) for m in re.finditer(r"rank \d+ on (\S+) holds", log))
     assert nodes == ["node1", "node2"], log[-3000:]
@@ -212,7 +225,7 @@ def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster,
     assert info["world_size"] == 2 and info["config"]["nodes"] == 2
     two_nodes = [float(r["loss"]) for r in csv.DictReader(open(work / target / "metrics.csv"))]
     assert len(two_nodes) == len(one_node) and max(abs(a - b) for a, b in zip(one_node, two_nodes)) <= 1e-5
-    assert list((work / "results/checkpoints/gqa2mla/dkv8").iterdir()) == []  # deleted after success
+    assert list((work / f"results/checkpoints/{v8.model}/{v8.start}/{v8.recipe}").iterdir()) == []  # deleted after success
 
 
 def test_nodes_the_job_does_not_have_stop_in_one_line(cluster, smoke_run, tmp_path):
@@ -220,7 +233,7 @@ def test_nodes_the_job_does_not_have_stop_in_one_line(cluster, smoke_run, tmp_pa
     work, _profile, smoke, _ = smoke_run
     assert smoke.returncode == 0
     out = tmp_path / "job.out"
-    train = (f"{sys.executable} -m mla train --model {work}/results/convert/gqa2mla/dkv8 "
+    train = (f"{sys.executable} -m mla train --model {work}/{smoke_variant('gqa2mla', 'dkv8').convert_dir} "
              f"--data {work}/results/data/tiny-gqa --out {tmp_path}/run --nodes 2 --no-mlflow")
     job_id = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--mem=500", "-o", str(out),
                              "--wrap", train], capture_output=True, text=True, env=env, check=True).stdout.strip()
@@ -246,7 +259,7 @@ def finetune_job_of_dry_run(env, tmp_path, train: dict):
     configfile.write_text(yaml.safe_dump(config))
     r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "w"),
                         "--configfile", str(configfile), "--profile", str(ROOT / "workflow/profiles/slurm"), "-n",
-                        "--cores", "64", "results/finetune/gqa2mla/dkv8/run.json"],
+                        "--cores", "64", f"{smoke_variant('gqa2mla', 'dkv8').run_dir}/run.json"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     block = (r.stdout + r.stderr).split("rule finetune:", 1)[1]

@@ -1,5 +1,6 @@
 """The smoke workflow end to end with the local profile: every output appears, a second run does
-nothing, and changing one d_kv's setting reruns only what depends on it."""
+nothing, changing one d_kv's setting reruns only what depends on it, and renaming (labels, panels, the
+MLflow experiment and tracking URI) reruns only the figure and tables."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # each test job uses one core, so two jobs overlap their start-up (imports) on a 2-core machine
 ONE_THREAD = ["--set-threads", *(f"{r}=1" for r in ("download", "data", "calibrate", "convert", "finetune",
                                                       "evaluate"))]
+
+
+def smoke_study(cfg: dict | None = None):
+    """Variants of the smoke config (or `cfg`) with the paths the workflow gives their jobs (mla.study)."""
+    from mla import study
+    from mla.config_schema import validated
+
+    return study.Study(validated(cfg or yaml.safe_load(SMOKE.read_text())))
 
 
 def snakemake(workdir: Path, *args: str, configfile: Path = SMOKE, timeout: int = 900):
@@ -68,6 +77,7 @@ def _failed_logs(work: Path) -> str:
 def test_smoke_workflow_produces_every_output(smoke_run):
     work, r = smoke_run
     cfg = yaml.safe_load(SMOKE.read_text())
+    the_study = smoke_study()
     counts = job_counts(r.stdout + r.stderr)
     assert counts["finetune"] == sum(len(e["d_kv"]) + 1 for e in cfg["experiments"].values())
     assert counts["convert"] == sum(len(e["d_kv"]) for e in cfg["experiments"].values())
@@ -75,25 +85,32 @@ def test_smoke_workflow_produces_every_output(smoke_run):
     for name in ("loss.png", "loss.pdf"):
         assert (res / "figures" / name).stat().st_size > 1000
     assert (res / "figures/loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for e, exp in cfg["experiments"].items():
+    for e in cfg["experiments"]:
         assert (res / f"tables/{e}.csv").is_file() and (res / f"tables/{e}.md").is_file()
-        variants = [f"dkv{d}" for d in exp["d_kv"]] + ["baseline"]
-        table = (res / f"tables/{e}.md").read_text()
-        for v in variants:
-            rows = list(csv.DictReader((res / f"finetune/{e}/{v}/metrics.csv").open()))
+        table = {row["variant"]: row for row in csv.DictReader((res / f"tables/{e}.csv").open())}
+        for v in the_study.experiment(e):
+            rows = list(csv.DictReader((work / v.run_dir / "metrics.csv").open()))
             assert [int(row["step"]) for row in rows][-1] == cfg["train"]["steps"]
             assert all(float(row["loss"]) > 0 for row in rows)
-            ev = json.loads((res / f"evaluate/{e}/{v}/eval.json").read_text())
-            assert ev  # the evaluation JSON exists and is not empty
-            assert (res / f"finetune/{e}/{v}/final/config.json").is_file()
-        for d in exp["d_kv"]:
-            conv = json.loads((res / f"convert/{e}/dkv{d}/conversion.json").read_text())
-            assert conv["kv_elements_per_token_after"] < conv["kv_elements_per_token_before"]
-            assert str(d) in table
+            ev = json.loads((work / v.eval_path).read_text())
+            ppl = ev["perplexity"]
+            # the evaluation scored the configured held-out blocks, and the table carries its numbers
+            assert ppl["blocks"] == cfg["evaluate"]["perplexity_blocks"] and 1 < ppl["perplexity"] < 1e4
+            assert ppl["perplexity_stderr"] > 0
+            assert float(table[v.name]["held-out perplexity"]) == pytest.approx(ppl["perplexity"], rel=1e-5)
+            assert table[v.name]["label"] == v.label
+            assert (work / v.run_dir / "final/config.json").is_file()
+            if not v.is_baseline:
+                conv = json.loads((work / v.convert_dir / "conversion.json").read_text())
+                assert conv["kv_elements_per_token_after"] < conv["kv_elements_per_token_before"]
+                assert (conv["d_kv"], conv["rope_strategy"]) == (v.d_kv, v.rope_strategy)
+                # every conversion reports its output error on held-out blocks (the calibration pass)
+                assert conv["output_error_on"] == "heldout" and 0 < conv["output_error_mean"] < 10
+                assert int(table[v.name]["d_kv"]) == v.d_kv
     # every rule logged and the heavy ones benchmarked
-    for rule in ("download", "data", "convert", "finetune", "evaluate", "plot", "table"):
+    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate", "plot", "table"):
         assert list((work / "logs" / rule).rglob("*.log")), rule
-    for rule in ("download", "data", "convert", "finetune", "evaluate"):
+    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate"):
         assert list((work / "benchmarks" / rule).rglob("*.tsv")), rule
 
 
@@ -107,15 +124,16 @@ def test_smoke_workflow_tracks_runs_in_mlflow(smoke_run):
     assert exp is not None
     runs = client.search_runs([exp.experiment_id], max_results=100)
     by_name = {run.info.run_name: run for run in runs}
-    for e, ex in cfg["experiments"].items():
-        for v in [f"dkv{d}" for d in ex["d_kv"]] + ["baseline"]:
-            info = json.loads((work / f"results/finetune/{e}/{v}/run.json").read_text())
-            run = client.get_run(info["mlflow_run_id"])
-            assert run.info.run_name in by_name and run.info.run_name.startswith(f"{e}-{v}-")
-            assert run.data.tags.get("snakemake_rule") == "finetune"
-            history = client.get_metric_history(run.info.run_id, "loss")
-            assert sorted(m.step for m in history) == list(range(1, cfg["train"]["steps"] + 1))
-            assert "eval/perplexity" in run.data.metrics  # the evaluation was logged to the same run
+    for v in smoke_study().variants:
+        info = json.loads((work / v.run_dir / "run.json").read_text())
+        run = client.get_run(info["mlflow_run_id"])
+        # named after the job (model/start/recipe), tagged with the panel and label it appears under
+        assert run.info.run_name == f"{v.model}/{v.start}/{v.recipe}" and run.info.run_name in by_name
+        assert run.data.tags.get(f"study.{v.experiment}") == v.label
+        assert run.data.tags.get("snakemake_rule") == "finetune"
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert sorted(m.step for m in history) == list(range(1, cfg["train"]["steps"] + 1))
+        assert "eval/perplexity" in run.data.metrics  # the evaluation was logged to the same run
 
 
 def test_report_holds_the_figure_and_the_tables(smoke_run, tmp_path):
@@ -145,23 +163,37 @@ def test_second_run_does_nothing_and_a_changed_d_kv_reruns_only_its_jobs(smoke_r
     cfg["experiments"][exp_name]["overrides"] = {f"dkv{d_kv}": {"r": 2}}
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
-    untouched = {p: p.stat().st_mtime_ns for p in (work / "results/finetune").rglob("metrics.csv")}
+    untouched = {p: p.stat().st_mtime_ns for p in (work / "results").rglob("*") if p.is_file()
+                 and "tables" not in p.parts and "figures" not in p.parts and p.suffix != ".db"}
+    new = next(v for v in smoke_study(cfg).experiment(exp_name) if v.name == f"dkv{d_kv}")
+    assert new.conversion == f"2-norm-r2-joint-dkv{d_kv}"
 
     plan = snakemake(work, "-n", configfile=changed)
     assert plan.returncode == 0, plan.stderr[-3000:]
     jobs = planned_jobs(plan.stdout + plan.stderr)
-    wild = f"experiment={exp_name}, d_kv={d_kv}"
-    var = f"experiment={exp_name}, variant=dkv{d_kv}"
-    assert jobs == {("convert", wild), ("finetune", var), ("evaluate", var),
-                    ("table", f"experiment={exp_name}"), ("plot", ""), ("all", "")}, jobs
+    run = f"model={new.model}, start={new.start}, recipe={new.recipe}"
+    assert jobs == {("convert", f"model={new.model}, conversion={new.conversion}"), ("finetune", run),
+                    ("evaluate", run), ("table", f"experiment={exp_name}"), ("plot", ""), ("all", "")}, jobs
 
     rerun = snakemake(work, *ONE_THREAD, configfile=changed)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
     counts = job_counts(rerun.stdout + rerun.stderr)
     assert counts == {"convert": 1, "finetune": 1, "evaluate": 1, "table": 1, "plot": 1, "all": 1, "total": 6}
-    for p, mtime in untouched.items():
-        rerun_expected = p.parent.name == f"dkv{d_kv}" and p.parent.parent.name == exp_name
-        assert (p.stat().st_mtime_ns != mtime) == rerun_expected, p
-    conv = json.loads((work / f"results/convert/{exp_name}/dkv{d_kv}/conversion.json").read_text())
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in untouched.items())  # nothing else was rewritten
+    conv = json.loads((work / new.convert_dir / "conversion.json").read_text())
     assert conv["r"] == 2  # the new setting reached the conversion
 
+
+def test_renaming_reruns_only_the_figure_and_tables(smoke_run, tmp_path):
+    """Labels, a panel's name, the MLflow experiment and the tracking URI name things; they decide no job."""
+    work, _ = smoke_run
+    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg["mlflow"] = {"experiment": "renamed", "tracking_uri": f"sqlite:///{tmp_path}/elsewhere.db"}
+    cfg["experiments"]["gqa2mla"]["overrides"] = {"dkv4": {"label": "four"}, "baseline": {"label": "GQA (ft)"}}
+    cfg["experiments"]["gqa-panel"] = cfg["experiments"].pop("gqa2mla")
+    renamed = tmp_path / "renamed.yaml"
+    renamed.write_text(yaml.safe_dump(cfg))
+    plan = snakemake(work, "-n", configfile=renamed)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
+    jobs = planned_jobs(plan.stdout + plan.stderr)
+    assert {rule for rule, _ in jobs} == {"table", "plot", "all"}, jobs
