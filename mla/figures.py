@@ -103,7 +103,8 @@ def mla_colours(n: int) -> list[str]:
 def run_label(run: Run, kind: str) -> str:
     label = run.label or (kind if run.is_baseline else f"{kind}2MLA d_kv = {run.d_kv}")
     if run.kv_reduction is not None and not run.is_baseline:
-        label += f" ({-run.kv_reduction:+.2f} % KV)".replace("-", "−")
+        change = -run.kv_reduction + 0.0          # + 0.0: no "−0.00" for an unchanged cache
+        label += f" ({change:+.2f} % KV)".replace("-", "−")
     return label
 
 
@@ -172,7 +173,10 @@ def draw_panel(ax, panel: Panel, smoothing: float = 0.9) -> None:
     ax.set_xlabel("#Step")
     ax.set_ylabel("Loss")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right", frameon=False)
+    if len(panel.runs) > 4:   # a sweep: the legend beside the axes, not over the curves
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize="small")
+    else:
+        ax.legend(loc="upper right", frameon=False)
 
 
 def loss_figure(panels: list[Panel], smoothing: float = 0.9):
@@ -185,7 +189,8 @@ def loss_figure(panels: list[Panel], smoothing: float = 0.9):
 
     if not panels:
         raise FigureInputError("no panels to draw")
-    fig, axes = plt.subplots(len(panels), 1, figsize=(6.4, 3.6 * len(panels)), squeeze=False)
+    wide = any(len(p.runs) > 4 for p in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.0 if wide else 6.4, 3.6 * len(panels)), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels):
         draw_panel(ax, panel, smoothing)
     fig.tight_layout()

@@ -156,8 +156,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             header.append(title)
             if key in ("perplexity", "local_acc"):
                 header.append(title + SE_SUFFIX)
-    if paper_model:
-        score_cols = ["avg", *paper_numbers.TASKS]
+    if paper_model:   # the paper's average always; its task columns where we measured tasks
+        score_cols = ["avg", *(paper_numbers.TASKS if tasks else ())]
     elif have["average"] or tasks:
         score_cols = ["avg", *tasks]
     else:
@@ -258,7 +258,7 @@ def write_table(header, rows, out: str | Path, title: str | None = None, notes: 
     return [csv_path, md_path]
 
 
-def table_notes(paper_model: str | None, model_name: str | None) -> list[str]:
+def table_notes(paper_model: str | None, model_name: str | None, variants: list[Variant] = ()) -> list[str]:
     notes = [f"KV mem. change: cached elements per token vs the original model. Final train loss: mean of "
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
              f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper. "
@@ -267,4 +267,10 @@ def table_notes(paper_model: str | None, model_name: str | None) -> list[str]:
     if paper_model:
         src = f" (our model: {model_name})" if model_name and paper_numbers.paper_model(model_name) != paper_model else ""
         notes.append(f"Paper columns: MHA2MLA v1 Table 1, {paper_model}{src}; Δ = ours − paper.")
+        ablation = [v.name for v in variants if isinstance(v.paper_row, str) and v.paper_row != AUTO
+                    and v.paper_row in paper_numbers.ABLATIONS.get(paper_model, {})]
+        if ablation:
+            notes.append(f"Rows {', '.join(ablation)}: the paper's ablations instead (Table 5: partial RoPE "
+                         "only, r = 4 unless named; Table 3: the SVD rows at d_kv = 16), which give scores but "
+                         "no KV column.")
     return notes

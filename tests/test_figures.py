@@ -171,6 +171,11 @@ def test_sweep_runs_keep_their_order_labels_and_kv_saving(tmp_path):
 
     runs, conv = [], tmp_path / "conversion.json"
     conv.write_text(json.dumps({"kv_reduction_percent": 81.25}))
+    unchanged = tmp_path / "full.json"
+    unchanged.write_text(json.dumps({"kv_reduction_percent": 0.0}))
+    assert run_label(panel_from_dict({"title": "t", "kind": "GQA", "runs": [
+        {"label": "S_low", "metrics": str(write_metrics(tmp_path / "x.csv", 2.0, 0.1)),
+         "conversion": str(unchanged)}]}).runs[0], "GQA") == "S_low (+0.00 % KV)"
     for i, name in enumerate(["S_low", "S_high", "S_2-norm"]):
         runs.append({"label": name, "metrics": str(write_metrics(tmp_path / f"{name}.csv", 2.0 + i, 0.1)),
                      "conversion": str(conv)})

@@ -147,7 +147,7 @@ def run(args) -> int:
     except TableInputError as exc:
         raise UserError(str(exc)) from None
     title = args.title or spec.get("title") or model
-    paths = write_table(header, rows, args.out, title=title, notes=table_notes(paper_model, model))
+    paths = write_table(header, rows, args.out, title=title, notes=table_notes(paper_model, model, variants))
     print(paths[1].read_text())
     if args.tracking_uri:
         if not args.experiment:

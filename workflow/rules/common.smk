@@ -232,7 +232,8 @@ def plot_args(wc):
     args = []
     for e, exp in config["experiments"].items():
         # the paper's panel titles: method and model, e.g. "MHA2MLA: Llama2-7B"
-        args += ["--panel", f"{exp['kind'].upper()}2MLA: {model_label(exp['model'])}", "--kind", exp["kind"]]
+        title = exp.get("title") or f"{exp['kind'].upper()}2MLA: {model_label(exp['model'])}"
+        args += ["--panel", title, "--kind", exp["kind"]]
         for v in STUDY.experiment(e):
             key = "baseline" if v.is_baseline else v.name
             args += ["--run", f"{key}={v.run_dir}/metrics.csv", "--label", v.label]
