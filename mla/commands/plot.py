@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
-    from mla.cli import UserError
+    from mla.errors import UserError
 
     panels: list[dict] = []
     for key, value in items:
@@ -90,7 +90,7 @@ def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
 
 
 def load_spec(path: str) -> list[dict]:
-    from mla.cli import UserError
+    from mla.errors import UserError
 
     p = Path(path)
     if not p.is_file():
@@ -121,7 +121,7 @@ def log_summary_artifacts(tracking_uri: str, experiment: str, run_name: str, pat
 
 
 def run(args) -> int:
-    from mla.cli import UserError
+    from mla.errors import UserError
     from mla.figures import FigureInputError, loss_figure, panel_from_dict, save_figure
 
     if args.spec and args.items:

@@ -77,7 +77,7 @@ def add_arguments(parser) -> None:
 
 
 def _flag_values(args) -> dict:
-    from mla.cli import UserError
+    from mla.errors import UserError
     from mla.training.config import TrainConfig
 
     values = {name: getattr(args, name) for name in TrainConfig.field_names() if hasattr(args, name)}

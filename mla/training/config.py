@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from mla.cli import UserError
+from mla.errors import UserError
 from mla.training.schedule import check_schedule
 
 # paper-spec §5.1: AdamW(0.9, 0.95, 1e-8), peak lr 1e-4, clip 1.0, weight decay 0.01, warmup 5 %, decay 10 %

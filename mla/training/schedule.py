@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from mla.cli import UserError
+from mla.errors import UserError
 
 
 def check_schedule(total_steps: int, warmup_steps: int, decay_steps: int) -> None:

@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from mla import tracking
-from mla.cli import UserError
+from mla.errors import UserError
 from mla.training.schedule import warmup_constant_sqrt_decay
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
