@@ -163,8 +163,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             header.append(title)
             if key in ("perplexity", "local_acc"):
                 header.append(title + SE_SUFFIX)
-    if paper_model:   # the paper's average always; its task columns where we measured tasks
-        score_cols = ["avg", *(paper_numbers.TASKS if tasks else ())]
+    if paper_model:   # the paper's average always; its task columns where we measured tasks (MMLU: cloze too)
+        score_cols = ["avg", *(paper_numbers.TASKS if tasks else ["mmlu"] if have["mmlu_cloze"] else [])]
     elif have["average"] or tasks:
         score_cols = ["avg", *tasks]
     else:
