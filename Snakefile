@@ -54,6 +54,7 @@ localrules:
     all,
     plot,
     table,
+    evaluation_data,
 
 
 rule all:

@@ -19,6 +19,7 @@ COMMANDS = {
     "convert": "mla.commands.convert",
     "data": "mla.commands.data",
     "train": "mla.commands.train",
+    "prefetch": "mla.commands.prefetch",
     "evaluate": "mla.commands.evaluate",
     "plot": "mla.commands.plot",
     "table": "mla.commands.table",

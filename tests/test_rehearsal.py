@@ -35,7 +35,7 @@ SIZE_KEYS = {
     "train.steps", "train.batch_size", "train.micro_batch_size", "train.nproc", "train.warmup_steps",
     "train.decay_steps", "train.save_steps",
     "evaluate.perplexity_blocks", "evaluate.paper_limit", "evaluate.local_docs", "evaluate.kv_new_tokens",
-    "evaluate.decode_grid", "evaluate.decode_steps",
+    "evaluate.decode_grid", "evaluate.decode_steps", "evaluate.mmlu",
 }
 MACHINE_KEYS = {"train.device", "calibrate.device", "evaluate.device"}
 NAMED = ("models", "experiments", "overrides")  # their keys are names, matched by *

@@ -99,6 +99,11 @@ def test_smoke_workflow_produces_every_output(smoke_run):
             assert ppl["perplexity_stderr"] > 0
             assert float(table[v.name]["held-out perplexity"]) == pytest.approx(ppl["perplexity"], rel=1e-5)
             assert table[v.name]["label"] == v.label
+            # MMLU cloze ran inside a job with HF_HUB_OFFLINE set, on the data the prefetch rule cached
+            mmlu = ev["benchmarks"]["mmlu"]
+            assert mmlu["questions"] == cfg["evaluate"]["mmlu"] and 0 <= mmlu["acc_norm"] <= 1
+            assert mmlu["acc_norm_stderr"] > 0
+            assert "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1" in r.stdout + r.stderr
             assert (work / v.run_dir / "final/config.json").is_file()
             if not v.is_baseline:
                 conv = json.loads((work / v.convert_dir / "conversion.json").read_text())
@@ -107,8 +112,11 @@ def test_smoke_workflow_produces_every_output(smoke_run):
                 # every conversion reports its output error on held-out blocks (the calibration pass)
                 assert conv["output_error_on"] == "heldout" and 0 < conv["output_error_mean"] < 10
                 assert int(table[v.name]["d_kv"]) == v.d_kv
+    manifest = json.loads((res / "evaluation-data/manifest.json").read_text())
+    assert manifest["mmlu"]["questions"] == 14042 and manifest["paper_tasks"] == {"status": "off"}
     # every rule logged and the heavy ones benchmarked
-    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate", "plot", "table"):
+    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate", "plot", "table",
+                 "evaluation_data"):
         assert list((work / "logs" / rule).rglob("*.log")), rule
     for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate"):
         assert list((work / "benchmarks" / rule).rglob("*.tsv")), rule

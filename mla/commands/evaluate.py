@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MMLU cloze on N test questions stratified by subject (0 = off, default; "
                         "14042 or more = all)")
     p.add_argument("--mmlu-seed", type=int, default=1234, help="seed of the MMLU sample (default 1234)")
+    p.add_argument("--prefetched", metavar="MANIFEST",
+                   help="manifest.json of `mla prefetch`: the paper tasks' documents come from the folder it "
+                        "names (for jobs on nodes without internet, run with HF_HUB_OFFLINE=1)")
     p.add_argument("--kv-batch", type=int, default=2, help="batch of the KV-bytes generate (default 2)")
     p.add_argument("--kv-new-tokens", type=int, default=8, help="tokens generated for the KV-bytes check")
     p.add_argument("--decode-grid", default="1x256,4x1024",
@@ -123,6 +126,14 @@ def run(args) -> int:
     from mla.evaluation.report import EvalOptions, evaluate_model, log_to_mlflow, write_json
 
     device = devices.resolve_device(args.device, config_key="evaluate.device")
+    if args.prefetched:
+        from mla.evaluation.prefetch import documents_folder
+
+        if not os.path.isfile(args.prefetched):
+            raise UserError(f"--prefetched {args.prefetched}: no such manifest (run `mla prefetch` first)")
+        documents = documents_folder(args.prefetched)
+        if documents:
+            os.environ[harness.LOCAL_DATA_ENV] = documents
     if args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
         harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
     if args.mmlu:

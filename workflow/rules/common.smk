@@ -215,7 +215,32 @@ def evaluate_args(wc):
         args += ["--no-local-task"]
     if e["paper_limit"] is not None:
         args += ["--paper-limit", e["paper_limit"]]
+    if e["mmlu"] != 0:   # null: all of MMLU's test split
+        args += ["--mmlu", e["mmlu"] or MMLU_QUESTIONS, "--mmlu-seed", e["mmlu_seed"]]
+    if needs_prefetch():
+        args += ["--prefetched", PREFETCH_MANIFEST]
     return " ".join(shlex.quote(str(a)) for a in args)
+
+
+# Evaluation data is fetched by a local rule on the submitting host; the evaluation jobs run offline
+# (compute nodes of many clusters have no internet), reading what it fetched.
+PREFETCH_MANIFEST = "results/evaluation-data/manifest.json"
+MMLU_QUESTIONS = 14042
+EVALUATE_ENV = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"
+
+
+def needs_prefetch():
+    e = config["evaluate"]
+    return e["mmlu"] != 0 or e["paper_tasks"] == "auto"
+
+
+def prefetch_inputs(wc):
+    return {"prefetched": PREFETCH_MANIFEST} if needs_prefetch() else {}
+
+
+def prefetch_args():
+    e = config["evaluate"]
+    return ("--mmlu " if e["mmlu"] != 0 else "") + f"--paper-tasks {e['paper_tasks']}"
 
 
 # ---------------------------------------------------------------- figures rules

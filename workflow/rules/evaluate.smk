@@ -1,3 +1,15 @@
+# The data the evaluations need (MMLU wheel, the paper's lm-eval tasks), fetched on the submitting host.
+rule evaluation_data:
+    output:
+        PREFETCH_MANIFEST,
+    params:
+        args=prefetch_args(),
+    log:
+        "logs/evaluation_data/prefetch.log",
+    shell:
+        "{MLA} prefetch --out results/evaluation-data {params.args} > {log} 2>&1"
+
+
 # Every fine-tuned checkpoint (and each original model): held-out perplexity, lm-eval accuracy,
 # KV-cache bytes, decode speed. One JSON each, also logged to the variant's MLflow run.
 
@@ -11,6 +23,7 @@ rule evaluate:
         model="results/finetune/{model}/{start}/{recipe}/final",
         run="results/finetune/{model}/{start}/{recipe}/run.json",
         data=lambda wc: data_dir(wc.model),
+        **prefetch_inputs(None),
     output:
         "results/evaluate/{model}/{start}/{recipe}/eval.json",
     params:
@@ -23,7 +36,7 @@ rule evaluate:
     resources:
         gpu=1 if EVALUATE_DEVICE == "cuda" else 0,
     shell:
-        "MLA_SNAKEMAKE_RULE={rule} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
+        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
         " --variant {wildcards.start} {params.args} --tracking-uri {TRACKING_URI:q} --run-json {input.run}"
         " --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"
 
@@ -33,6 +46,7 @@ rule evaluate_original:
     input:
         model=lambda wc: model_dir(wc.model),
         data=lambda wc: data_dir(wc.model),
+        **prefetch_inputs(None),
     output:
         "results/evaluate/{model}/original/eval.json",
     params:
@@ -45,6 +59,6 @@ rule evaluate_original:
     resources:
         gpu=1 if EVALUATE_DEVICE == "cuda" else 0,
     shell:
-        "MLA_SNAKEMAKE_RULE={rule} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
+        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
         " --variant original {params.args} --tracking-uri {TRACKING_URI:q} --experiment {MLFLOW_EXPERIMENT:q}"
         " --run-name {wildcards.model}/original --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"
