@@ -140,9 +140,9 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
     # the submitting host, not as cluster jobs)
     stats = out.split("Job stats:", 1)[1]
     planned = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, flags=re.M)
-               if m.group(1) not in ("all", "total", "plot", "table")}
+               if m.group(1) not in ("all", "total", "plot", "table", "evaluation_data")}
     assert planned.get("finetune") and planned.get("convert")
-    assert "localrule plot:" in out and "localrule table:" in out
+    assert all(f"localrule {rule}:" in out for rule in ("plot", "table", "evaluation_data"))
 
     # every one of them is a SLURM job that completed, named by the plugin's comment rule_<rule>_...
     jobs = {i: v for i, v in squeue_jobs(env).items() if i not in before}
