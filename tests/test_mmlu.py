@@ -129,6 +129,28 @@ def test_shared_context_processes_under_40_percent_of_the_tokens(kind, tok):
     assert max(abs(a[0] - b[0]) for a, b in zip(plain, shared)) <= LL_TOLERANCE
 
 
+def test_shared_context_equals_plain_on_real_smollm2_and_real_questions(questions, smollm2_dir):
+    """The real SmolLM2-135M on 6 real MMLU questions: the same log-likelihoods for under 0.4 of the tokens."""
+    from mla.checkpoint import load_model, load_tokenizer
+
+    model, tokenizer = load_model(smollm2_dir), load_tokenizer(smollm2_dir)
+    plain_lm, shared_lm = _lm(HFLM, model, tokenizer, 8), _lm(SharedContextLM, model, tokenizer, 8)
+    reqs = mmlu.cloze_requests(plain_lm, mmlu.sample(6, seed=7, questions=questions))
+    with count_tokens(model) as plain_count:
+        plain = plain_lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    with count_tokens(model) as shared_count:
+        shared = shared_lm._loglikelihood_tokens(reqs)
+    assert max(abs(a[0] - b[0]) for a, b in zip(plain, shared, strict=True)) <= LL_TOLERANCE
+    assert [a[1] for a in plain] == [b[1] for b in shared]
+    assert shared_count["tokens"] / plain_count["tokens"] <= MAX_TOKEN_RATIO
+
+
+def test_more_questions_than_exist_is_refused():
+    with pytest.raises(UserError) as e:
+        mmlu.sample(4, 0, questions=mmlu_like(3))
+    assert "asks for 4 questions; the test split has 3" in _one_line(e)
+
+
 def test_choice_rows_are_cut_where_padding_is_least():
     """Rows sorted longest first, at most three forwards, fewest padded tokens (checked by brute force)."""
     import itertools
@@ -179,7 +201,9 @@ def test_stratified_sample_is_proportional_and_reproducible(questions):
     assert picked == mmlu.sample(570, seed=7, questions=questions)
     assert picked != mmlu.sample(570, seed=8, questions=questions)
     assert len(mmlu.sample(None, seed=7, questions=questions)) == 14042
-    assert len(mmlu.sample(20000, seed=7, questions=questions)) == 14042
+    assert len(mmlu.sample(14042, seed=7, questions=questions)) == 14042
+    with pytest.raises(UserError, match="the test split has 14042"):
+        mmlu.sample(20000, seed=7, questions=questions)
 
 
 def test_sample_gives_every_question_the_same_chance():

