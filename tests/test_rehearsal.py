@@ -103,7 +103,8 @@ def test_overlay_plans_the_paper_dag_at_tiny_size(tmp_path):
     assert counts["download"] == 2 and counts["data"] == 2 and counts["calibrate"] == 2
     assert counts["convert"] == sum(len(e["d_kv"]) for e in exps)
     assert counts["finetune"] == sum(len(e["d_kv"]) + 1 for e in exps)
-    assert counts["evaluate"] == counts["finetune"] + 2  # + the two original models
+    assert counts["evaluate"] == counts["finetune"] and counts["evaluate_original"] == 2  # + the two originals
+    assert counts["evaluation_data"] == 1   # MMLU and the six tasks fetched once, before the offline jobs
     # two config files merge (no fallback to config.yaml's models) and sizes come from the overlay
     assert "smollm2-wheel" not in out and "--repo-id meta-llama/Llama-2-7b-hf" in out
     assert "--block-length 64" in out and "--block-length 32" in out
@@ -118,7 +119,7 @@ def test_paper_config_still_plans_the_papers_jobs(tmp_path):
     out = r.stdout
     counts = job_counts(out)
     assert (counts["download"], counts["data"], counts["calibrate"]) == (2, 2, 2)
-    assert (counts["convert"], counts["finetune"], counts["evaluate"]) == (6, 8, 10)
+    assert (counts["convert"], counts["finetune"], counts["evaluate"], counts["evaluate_original"]) == (6, 8, 8, 2)
     cfg = rehearsal.load_config(PAPER)
     for ename, exp in cfg["experiments"].items():
         for v in study.experiment_variants(cfg, ename):

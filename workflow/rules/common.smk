@@ -288,7 +288,7 @@ def _paper_row(v):
     if v.is_baseline:
         return "baseline"
     recipe = v.rope_strategy == "2-norm" and v.svd == "joint" and v.name == f"dkv{v.d_kv}"
-    return str(v.d_kv) if recipe else "none"
+    return "auto" if recipe else "none"   # auto: Table 1's row of this d_kv, if the paper has one
 
 
 def table_args(wc):
