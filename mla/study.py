@@ -171,7 +171,8 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
             experiment=experiment, name=name, model=exp["model"], kind=kind,
             label=_label(kind, own, name, name == f"dkv{own.get('d_kv')}" and "d_kv" in own),
             d_kv=None if svd == "none" or s.get("d_kv") is None else int(s["d_kv"]),
-            r=s["r"], rope_strategy=s["rope_strategy"] or "2-norm", svd=svd, whiten=bool(s["whiten"]),
+            r=s["r"], rope_strategy=s["rope_strategy"] or "2-norm", svd=svd,
+            whiten=bool(s["whiten"]) and svd != "none",     # an experiment's whitening skips full-rank variants
             train=train_settings(config, experiment, own), paper=own.get("paper")))
     if exp.get("baseline", True):
         own = (exp.get("overrides") or {}).get("baseline", {})
@@ -206,7 +207,7 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
         for name, own in declared.items():
             key = f"{where}.variants.{name}" if name in (exp.get("variants") or {}) else f"{where}.overrides.{name}"
             svd = own.get("svd", exp.get("svd")) or "joint"
-            whiten = own.get("whiten", exp.get("whiten", False))
+            whiten = own.get("whiten", False)          # only asked of this variant itself
             if svd == "none" and own.get("d_kv") is not None and name in (exp.get("variants") or {}):
                 errors.append((f"{key}.d_kv", "svd: none keeps K/V at full rank; d_kv follows from the model"))
             if svd != "none" and own.get("d_kv") is None:

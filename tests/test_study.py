@@ -32,9 +32,10 @@ def test_short_form_names_labels_and_paths():
     assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
     assert [v.label for v in variants] == ["GQA2MLA d_kv = 8", "GQA2MLA d_kv = 16", "GQA2MLA d_kv = 32", "GQA"]
     v8 = variants[0]
-    assert v8.conversion == "2-norm-r4-joint-dkv8"
-    assert v8.convert_dir == "results/convert/smollm2-135m/2-norm-r4-joint-dkv8"
-    assert v8.run_dir == f"results/finetune/smollm2-135m/2-norm-r4-joint-dkv8/{v8.recipe}"
+    assert v8.whiten       # the default's activation-aware SVD
+    assert v8.conversion == "2-norm-r4-joint-white-dkv8"
+    assert v8.convert_dir == "results/convert/smollm2-135m/2-norm-r4-joint-white-dkv8"
+    assert v8.run_dir == f"results/finetune/smollm2-135m/2-norm-r4-joint-white-dkv8/{v8.recipe}"
     assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
     assert variants[-1].is_baseline and variants[-1].conversion is None
 
@@ -45,14 +46,14 @@ def test_named_variants_with_their_own_settings_and_overrides():
     exp["variants"] = {"high-split": {"d_kv": 8, "rope_strategy": "high", "svd": "split", "lr": 3e-4,
                                       "label": "S_high + SVD_split"},
                        "rope-only": {"svd": "none", "rope_strategy": "uniform", "paper": "S_uniform"}}
-    exp["overrides"] = {"dkv16": {"whiten": True}, "rope-only": {"r": 2}}
+    exp["overrides"] = {"dkv16": {"whiten": False}, "rope-only": {"r": 2}}
     by_name = {v.name: v for v in study.experiment_variants(cfg, "gqa2mla")}
     assert list(by_name) == ["dkv8", "dkv16", "dkv32", "high-split", "rope-only", "baseline"]
     hs = by_name["high-split"]
     assert (hs.d_kv, hs.rope_strategy, hs.svd, hs.train["lr"], hs.label) == (8, "high", "split", 3e-4,
                                                                               "S_high + SVD_split")
     assert hs.recipe != by_name["dkv8"].recipe            # another learning rate: another training run
-    assert by_name["dkv16"].conversion == "2-norm-r4-joint-white-dkv16"
+    assert by_name["dkv16"].conversion == "2-norm-r4-joint-dkv16"
     ro = by_name["rope-only"]
     assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none", "S_uniform")
     assert study.variant_errors(cfg) == []
