@@ -174,12 +174,12 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
         assert tags.get("slurm_job_id") in jobs, (f, tags.get("slurm_job_id"))
 
 
-def smoke_variant(experiment: str, name: str):
-    """A variant of the smoke config, with the paths the workflow gives its jobs (mla.study)."""
+def smoke_variant(experiment: str, name: str, config: dict | None = None):
+    """A variant of the smoke config (or `config`), with the paths the workflow gives its jobs (mla.study)."""
     from mla import study
     from mla.config_schema import validated
 
-    cfg = validated(yaml.safe_load(SMOKE.read_text()))
+    cfg = validated(config or yaml.safe_load(SMOKE.read_text()))
     return next(v for v in study.experiment_variants(cfg, experiment) if v.name == name)
 
 
@@ -259,7 +259,7 @@ def finetune_job_of_dry_run(env, tmp_path, train: dict):
     configfile.write_text(yaml.safe_dump(config))
     r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "w"),
                         "--configfile", str(configfile), "--profile", str(ROOT / "workflow/profiles/slurm"), "-n",
-                        "--cores", "64", f"{smoke_variant('gqa2mla', 'dkv8').run_dir}/run.json"],
+                        "--cores", "64", f"{smoke_variant('gqa2mla', 'dkv8', config).run_dir}/run.json"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     block = (r.stdout + r.stderr).split("rule finetune:", 1)[1]
