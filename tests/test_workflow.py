@@ -171,8 +171,9 @@ def test_second_run_does_nothing_and_a_changed_d_kv_reruns_only_its_jobs(smoke_r
     cfg["experiments"][exp_name]["overrides"] = {f"dkv{d_kv}": {"r": 2}}
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
-    untouched = {p: p.stat().st_mtime_ns for p in (work / "results").rglob("*") if p.is_file()
-                 and "tables" not in p.parts and "figures" not in p.parts and p.suffix != ".db"}
+    stages = ("models", "data", "calibrate", "convert", "finetune", "evaluate", "evaluation-data")
+    untouched = {p: p.stat().st_mtime_ns for stage in stages for p in (work / "results" / stage).rglob("*")
+                 if p.is_file()}
     new = next(v for v in smoke_study(cfg).experiment(exp_name) if v.name == f"dkv{d_kv}")
     assert new.conversion == f"2-norm-r2-joint-dkv{d_kv}"
 
