@@ -305,14 +305,6 @@ ASSUMPTIONS = [
 
 
 # ---------------------------------------------------------------- the workflow's check
-def _root_model(models: dict, name: str) -> str:
-    seen = set()
-    while models[name]["source"] == "mha-from-gqa" and name not in seen:
-        seen.add(name)
-        name = models[name]["from"]
-    return name
-
-
 def model_config(config: dict, name: str, results: str | Path = "results") -> dict | None:
     """config.json of model `name` of a workflow config, from what is at hand; None when nothing is."""
     models = config["models"]
@@ -392,7 +384,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
             print(f"warning: no config.json at hand for model '{exp['model']}' (experiment {ename}): its training "
                   "jobs are not checked against train.gpu_memory_gb", file=sys.stderr)
             continue
-        root = models[_root_model(models, exp["model"])]
+        root = models[study.root_model(config, exp["model"])]
         seq = root.get("block_length", config.get("data", {}).get("block_length", 128))
         try:
             plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb))
