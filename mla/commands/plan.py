@@ -14,6 +14,13 @@ def add_arguments(p):
                         "converted model (once)")
     p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16)")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
+    q = p.add_argument_group("quantized latent cache (paper Table 2)")
+    q.add_argument("--kv-bits", type=int, action="append", choices=[2, 4, 8],
+                   help="also give the cache per token quantized to this many bits (repeatable), against the "
+                        "original's 16-bit cache: on element bits alone (the paper's figure) and with the scales "
+                        "and zero points")
+    q.add_argument("--group-size", type=int, default=64, help="channels per scale and zero point (default 64)")
+    q.add_argument("--scale-bytes", type=int, default=2, help="bytes of a scale or zero point (default 2, bf16)")
     g = p.add_argument_group("training memory (--train; per GPU, bytes; see mla/training/memory.py)")
     g.add_argument("--train", action="store_true", help="plan the memory of one training job instead")
     g.add_argument("--nproc", type=int, help="GPUs (processes) per node")
@@ -50,9 +57,37 @@ def run(args):
     rows = []
     for d_kv in d_kvs:
         convert.resolve_options(config, d_kv, r, "high", args.svd)
-        rows.append(shapes.plan(config, d_kv, r, split=args.svd == "split"))
+        row = shapes.plan(config, d_kv, r, split=args.svd == "split")
+        if args.kv_bits:
+            row["kv_quantized"] = [_quantized(s, d_kv, r, bits, args.group_size, args.scale_bytes)
+                                   for bits in args.kv_bits]
+        rows.append(row)
     print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
     return 0
+
+
+def _quantized(s, d_kv: int, r: int, bits: int, group_size: int, scale_bytes: int) -> dict:
+    """The converted cache per token at `bits`, against the original's 16-bit K and V (long-context limit:
+    every token quantized, the full-precision window left out)."""
+    from mla import shapes
+    from mla.errors import UserError
+    from mla.modeling.cache_mla import check_quantization, quantized_bytes_per_token
+
+    rows = {"the latent (n_kv·d_kv)": s.kv_heads * d_kv, "the RoPE key (n_kv·2r)": s.kv_heads * 2 * r}
+    try:
+        check_quantization(bits, group_size, rows)
+    except ValueError as exc:
+        raise UserError(f"--kv-bits {bits} --group-size {group_size}: {exc}") from None
+    before_bytes = shapes.kv_elements_original(s) * 2
+    element_bytes = shapes.kv_elements_mla(s, d_kv, r) * bits / 8
+    with_overhead = s.layers * sum(quantized_bytes_per_token(c, bits, group_size, scale_bytes)
+                                   for c in rows.values() if c)
+    return {"bits": bits, "group_size": group_size, "scale_bytes": scale_bytes,
+            "bytes_per_token_before_16bit": before_bytes,
+            "bytes_per_token_element_bits": element_bytes,
+            "kv_reduction_percent_element_bits": round(100 * (1 - element_bytes / before_bytes), 4),
+            "bytes_per_token_with_scales": with_overhead,
+            "kv_reduction_percent_with_scales": round(100 * (1 - with_overhead / before_bytes), 4)}
 
 
 def _run_train(args, config) -> int:

@@ -123,35 +123,40 @@ def point_memory(model, original, batch: int, context: int, steps: int, warmup: 
             "to_allocate_bytes": to_allocate}
 
 
-def filled_cache(model, batch: int, context: int, seed: int = 0):
-    """The model's own cache object, with every layer holding `context` random entries per sequence,
-    generated on the model's device in its dtype."""
+def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None):
+    """A cache for `model` (its own, or quantized per `quant`, a kv_quant.KVQuant) whose every layer holds
+    `context` random entries per sequence, generated on the model's device in its dtype."""
     import torch
+
+    from mla.evaluation.kv_quant import make_cache
 
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.ones(batch, 1, dtype=torch.long, device=device)
     with torch.inference_mode():
-        cache = model(input_ids=ids, use_cache=True).cache
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                shape = list(t.shape)
-                shape[-2] = context
-                setattr(layer, name, None)           # free the old entry before the new one exists
-                setattr(layer, name, torch.randn(shape, generator=g, dtype=t.dtype, device=device))
+        shapes = [(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype)
+                  for layer in model(input_ids=ids, use_cache=True).cache.layers]
+        cache = make_cache(model, quant) or model(input_ids=ids, use_cache=True).cache
+        if quant is None:
+            for layer in cache.layers:
+                layer.reset()                        # free the one-token entries before the new ones exist
+        for i, (k_shape, v_shape, dtype) in enumerate(shapes):
+            k_shape, v_shape = list(k_shape), list(v_shape)
+            k_shape[-2] = v_shape[-2] = context      # the token axis is second to last in every layout
+            cache.update(torch.randn(k_shape, generator=g, dtype=dtype, device=device),
+                         torch.randn(v_shape, generator=g, dtype=dtype, device=device), i)
     return cache
 
 
 class _Stepper:
     """One model with its own pre-filled cache; `run(n)` times n greedy single-token steps."""
 
-    def __init__(self, model, batch: int, context: int, absorb: bool | None = None):
+    def __init__(self, model, batch: int, context: int, absorb: bool | None = None, quant=None):
         import torch
 
         self.model, self.batch, self.absorb = model, batch, absorb
         self.device = next(model.parameters()).device
-        self.cache = filled_cache(model, batch, context)
+        self.cache = filled_cache(model, batch, context, quant=quant)
         self.ids = torch.ones(batch, 1, dtype=torch.long, device=self.device)
         self.step_seconds: list[float] = []
 
@@ -191,8 +196,10 @@ def decode_tokens_per_second(model, batch: int, context: int, steps: int = 8, wa
 
 
 def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, rounds: int = 2,
-                original=None, log=print, free_memory=None) -> dict:
-    """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA).
+                original=None, log=print, free_memory=None, quant=None) -> dict:
+    """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA);
+    with `quant` (a kv_quant.KVQuant) an MLA model is also timed absorbed with that quantized cache
+    (`mla_absorbed_q<bits>_tps`, and `speedup_q<bits>` against the original's full-precision cache).
 
     At each grid point the variants take turns, `rounds` times `steps // rounds` timed steps each, so a
     burst of load from other processes hits all of them alike; tokens/s = batch / median step time.
@@ -237,12 +244,14 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
             if twin_needed and original is None:
                 original = original_twin(model, device=device)     # materialised once, for the first point that fits
             if is_mla:
-                names = {"mla_tps": (model, False), "mla_absorbed_tps": (model, True)}
+                names = {"mla_tps": (model, False, None), "mla_absorbed_tps": (model, True, None)}
+                if quant is not None:
+                    names[f"mla_absorbed_q{quant.nbits}_tps"] = (model, True, quant)
                 if original is not None:
-                    names["original_tps"] = (original, None)
+                    names["original_tps"] = (original, None, None)
             else:
-                names = {"model_tps": (model, None)}
-            steppers = {k: _Stepper(m, batch, context, absorb) for k, (m, absorb) in names.items()}
+                names = {"model_tps": (model, None, None)}
+            steppers = {k: _Stepper(m, batch, context, absorb, q) for k, (m, absorb, q) in names.items()}
             for st in steppers.values():
                 st.run(warmup, record=False)
             for r in range(rounds):
@@ -261,6 +270,8 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
                 point["speedup_absorbed"] = point["mla_absorbed_tps"] / point["original_tps"]
                 point["predicted_speedup"] = predicted_speedup(w_orig, w_mla, kv_orig, kv_mla, batch, context)
                 point["fraction_of_predicted"] = point["speedup_absorbed"] / point["predicted_speedup"]
+                if quant is not None:
+                    point[f"speedup_q{quant.nbits}"] = point[f"mla_absorbed_q{quant.nbits}_tps"] / point["original_tps"]
             out["grid"].append(point)
             if log:
                 log("decode " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"

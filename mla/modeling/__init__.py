@@ -3,9 +3,10 @@
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .configuration_mla import MLAConfig
-from .modeling_mla import MLACache, MLAForCausalLM
+from .cache_mla import MLACache, MLAQuantizedCache
+from .modeling_mla import MLAForCausalLM
 
 AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
 AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
 
-__all__ = ["MLAConfig", "MLAForCausalLM", "MLACache"]
+__all__ = ["MLAConfig", "MLAForCausalLM", "MLACache", "MLAQuantizedCache"]

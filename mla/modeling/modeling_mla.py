@@ -18,7 +18,7 @@ the source model (llama3, linear, dynamic, yarn: the rotary embedding is built f
 `rope_parameters`); the other dims get none. Where the scaling also multiplies cos/sin by an attention
 factor (yarn, longrope), the conversion folds its square into the query's no-RoPE rows, so every dim
 of q·k keeps the factor the original gave it.
-The cache holds c_kv and k_rope and nothing else. For single-token decode steps the absorbed path
+The cache holds c_kv and k_rope and nothing else (cache_mla.py, full precision or group-quantized). For single-token decode steps the absorbed path
 (paper §4.3) never expands the cache: queries move into latent space through k_up, attention runs
 over c_kv directly, and v_up is applied to the attended latent.
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaForCausalLM, LlamaModel
+from transformers import LlamaForCausalLM, LlamaModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from .cache_mla import MLACache, MLAQuantizedCache
 from .configuration_mla import MLAConfig
 
 
@@ -50,15 +51,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
-
-
-class MLACache(DynamicCache):
-    """Latent KV cache: per layer the latent c_kv [B, 1, T, n_kv·d_kv] and the RoPE'd keys [B, n_kv, T, 2r].
-
-    Stored in the "key" and "value" slots of transformers' dynamic layers (latent first, so the sequence
-    length is read from it even when r = 0); nothing else is kept. The attention writes the same layout
-    into any dynamic cache a caller passes; this class is what `generate()` builds.
-    """
 
 
 class MLAAttention(nn.Module):
@@ -127,9 +119,8 @@ class MLAAttention(nn.Module):
             k_rope = apply_rope(k_rope, cos, sin)
             q_rope = apply_rope(q_rope, cos.repeat_interleave(groups, dim=1), sin.repeat_interleave(groups, dim=1))
 
-        if cache is not None:  # the cache stores only the latent and the RoPE'd keys
-            latent, k_rope = cache.update(c_kv.unsqueeze(1), k_rope, self.layer_idx)
-            c_kv = latent.squeeze(1)
+        if cache is not None:  # the cache stores only the latent and the RoPE'd keys (cache_mla.py)
+            c_kv, k_rope = cache.update(c_kv, k_rope, self.layer_idx)
 
         if q_len == 1 and self.config.absorb_decode:
             return self._absorbed(q_rope, q_nope, k_rope, c_kv, attention_mask), None
@@ -163,16 +154,29 @@ class MLAAttention(nn.Module):
         if self.rope_dim:
             rope_scores = torch.matmul(q_rope.reshape(bsz, n_kv, groups, self.rope_dim), k_rope.transpose(2, 3))
             scores = scores + rope_scores.reshape(bsz, self.num_heads, -1)
-        scores = scores * self.scaling                    # [B, n_h, T]
-        if attention_mask is not None:
-            mask = attention_mask[:, :, -1, : scores.shape[-1]]   # [B, 1, T]
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        scores = _masked(scores * self.scaling, attention_mask)   # [B, n_h, T]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)
         attended = torch.matmul(probs, c_v)               # [B, n_h, latent_v]
         out = torch.einsum("bgjr,gdr->bgjd", attended.reshape(bsz, n_kv, groups, self.v_latent), w_uv)
         if self.v_up.bias is not None:                    # probabilities sum to 1, so the bias passes through
             out = out + self.v_up.bias.view(1, n_kv, 1, self.head_dim)
         return self.o_proj(out.reshape(bsz, 1, self.num_heads * self.head_dim))
+
+
+def _masked(scores: torch.Tensor, attention_mask) -> torch.Tensor:
+    """Apply the mask of one decode step to scores [B, n_h, T]: a 4-D eager/sdpa mask (bool or additive,
+    last query row), a 2-D [B, T] padding mask (flash-attention style, 1 = attend), or None."""
+    if attention_mask is None:        # nothing padded, and a single new token may see every cached one
+        return scores
+    kv_len = scores.shape[-1]
+    if attention_mask.dim() == 2:
+        keep = attention_mask[:, None, :kv_len].bool()
+    else:
+        mask = attention_mask[:, :, -1, :kv_len]          # [B, 1, T]
+        if mask.dtype != torch.bool:
+            return scores + mask
+        keep = mask
+    return scores.masked_fill(~keep, float("-inf"))
 
 
 class MLADecoderLayer(GradientCheckpointingLayer):
@@ -233,15 +237,18 @@ class MLAForCausalLM(LlamaForCausalLM):
         self.post_init()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # generate() would build a plain DynamicCache; give it the latent cache instead
-        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
-                and generation_config.cache_implementation in (None, "dynamic")):
-            model_kwargs["cache"] = MLACache(config=self.config)
-            return
+        # generate() would build a cache of per-head keys and values; give it the latent cache instead
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation in (None, "dynamic"):
+                model_kwargs["cache"] = MLACache(config=self.config)
+                return
+            if generation_config.cache_implementation == "quantized":
+                model_kwargs["cache"] = MLAQuantizedCache.from_cache_config(self.config, generation_config.cache_config)
+                return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
 MLAConfig.register_for_auto_class()
 MLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["MLAConfig", "MLAForCausalLM", "MLAModel", "MLAAttention", "MLACache"]
+__all__ = ["MLAConfig", "MLAForCausalLM", "MLAModel", "MLAAttention", "MLACache", "MLAQuantizedCache"]

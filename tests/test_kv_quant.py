@@ -1,0 +1,213 @@
+"""The latent cache layer and its group quantization: round trip, generation, bytes, masks, bad input."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mla.cli import main as mla_main
+from mla.convert import convert_model
+from mla.errors import UserError
+from mla.evaluation.kv_bytes import measure_kv_bytes
+from mla.evaluation.kv_quant import KVQuant, make_cache, quantized_cache_losses
+from mla.kvcache import cache_nbytes, quantized_cache_bytes
+from mla.modeling import MLACache, MLAQuantizedCache
+from mla.modeling.cache_mla import MLALatentLayer, MLAQuantizedLayer, QuantizedRows, _pack, _unpack
+from mla.testing import tiny_llama
+
+GROUP, RESIDUAL = 8, 4
+
+
+def converted(num_kv_heads=2, d_kv=8, r=2, seed=0):
+    torch.manual_seed(seed)
+    model, _ = convert_model(tiny_llama(num_kv_heads=num_kv_heads), d_kv=d_kv, r=r, strategy="uniform", svd="joint")
+    return model.eval()
+
+
+def prompt(batch=2, length=20, seed=1):
+    return torch.randint(1, 512, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("nbits", [8, 4, 2])
+def test_round_trip_error_is_within_half_a_step_of_each_group(nbits):
+    x = torch.randn(3, 50, 48) * torch.logspace(-2, 2, 48)          # channels of very different ranges
+    q = QuantizedRows.quantize(x, nbits, group_size=16)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (3, 50, 48 * nbits // 8)
+    err = (q.dequantize(torch.float32) - x).abs().view(3, 50, 3, 16)
+    step = q.scale.unsqueeze(-1)                                     # one step per group of 16 channels
+    assert (err <= step / 2 * (1 + 1e-5) + 1e-6).all()
+    assert err.max() > 0.1 * step.min()                              # and it really quantized
+
+
+def test_constant_groups_round_trip_exactly_and_packing_inverts():
+    x = torch.full((2, 5, 16), 3.25)
+    assert torch.equal(QuantizedRows.quantize(x, 4, 8).dequantize(torch.float32), x)
+    for nbits in (2, 4, 8):
+        q = torch.randint(0, 2 ** nbits, (4, 7, 24), dtype=torch.uint8)
+        assert torch.equal(_unpack(_pack(q, nbits), nbits), q)
+
+
+def test_latent_layer_names_its_two_tensors_without_a_head_axis():
+    model = converted()
+    with torch.no_grad():
+        cache = model(prompt(), use_cache=True).cache
+    assert isinstance(cache, MLACache) and isinstance(cache.layers[0], MLALatentLayer)
+    layer = cache.layers[0]
+    assert layer.latent.shape == (2, 20, model.config.kv_lora_rank)
+    assert layer.k_rope.shape == (2, 2, 20, model.config.qk_rope_head_dim)
+
+
+def test_generate_builds_the_quantized_latent_cache_from_cache_config():
+    """(Greedy equality with full precision is shown on real weights: test_smollm2.py; a random tiny
+    model's top two logits are often closer than any cache error.)"""
+    model, p = converted(), prompt()
+    with torch.no_grad():
+        out = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, return_dict_in_generate=True, cache_implementation="quantized",
+                             cache_config={"nbits": 8, "q_group_size": GROUP, "residual_length": RESIDUAL})
+    cache = out.cache
+    assert isinstance(cache, MLAQuantizedCache) and (cache.nbits, cache.group_size) == (8, GROUP)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == 20 + 12 - 1 and layer.latent.shape[1] == RESIDUAL   # the window
+    assert layer.quantized[0].tokens == 20 + 12 - 1 - RESIDUAL                            # the rest
+
+
+def test_logit_error_grows_as_bits_shrink():
+    """Teacher-forced decode of the same tokens: the 8-, 4- and 2-bit caches' logit errors (reported)."""
+    model, p = converted(), prompt(length=40)
+    errors = {}
+    with torch.no_grad():
+        for bits in (16, 8, 4, 2):
+            cache = make_cache(model, KVQuant(bits, GROUP, RESIDUAL))
+            cache = model(p[:, :20], cache=cache, use_cache=True).cache
+            logits = []
+            for i in range(20, 40):
+                out = model(p[:, i:i + 1], cache=cache, use_cache=True)
+                cache, logits = out.cache, logits + [out.logits[:, -1]]
+            errors[bits] = torch.stack(logits)
+    err = {b: (errors[b] - errors[16]).abs().max().item() for b in (8, 4, 2)}
+    print("max |logit error| vs full precision:", err)
+    assert err[8] < err[4] < err[2]
+    assert err[8] < 0.05
+
+
+@pytest.mark.parametrize("nbits,group,residual,r", [(4, 8, 4, 2), (2, 4, 0, 2), (8, 16, 3, 0), (4, 8, 100, 2)])
+def test_bytes_held_equal_the_formula_with_scales(nbits, group, residual, r):
+    model = converted(r=r)
+    res = measure_kv_bytes(model, batch=2, prompt_len=9, new_tokens=6, quant=KVQuant(nbits, group, residual))
+    assert res["matches_formula"] is True
+    tokens = 9 + residual + 6 - 1
+    assert res["cached_tokens"] == tokens
+    # the formula by hand: per layer, latent 16 channels and RoPE key 2·2r channels, fp32 scales
+    rows = [16, 2 * 2 * r]
+    quantized = sum(c * nbits // 8 + 2 * (c // group) * 4 for c in rows if c)
+    full = sum(rows) * 4
+    window = min(tokens, residual)
+    assert res["cache_bytes"] == 2 * 2 * (window * full + (tokens - window) * quantized)   # batch 2, 2 layers
+
+
+def test_shared_context_copies_and_beam_search_work_on_the_quantized_cache():
+    model, p = converted(), prompt(batch=1)
+    with torch.no_grad():
+        out = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=8, num_beams=3, do_sample=False,
+                             cache=MLAQuantizedCache(model.config, nbits=8, group_size=GROUP, residual_length=RESIDUAL))
+        plain = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(out, plain)
+    cache = MLAQuantizedCache(model.config, nbits=4, group_size=GROUP, residual_length=RESIDUAL)
+    with torch.no_grad():
+        cache = model(prompt(batch=2), cache=cache, use_cache=True).cache
+    before = cache_nbytes(cache)
+    layer = cache.layers[0]
+    layer.batch_select_indices(torch.tensor([1, 1, 0]))
+    assert layer.get_seq_length() == 20 and layer.quantized[0].packed.shape[0] == 3
+    assert cache_nbytes(cache) > before
+
+
+def test_absorbed_decode_with_2d_and_no_mask_equals_the_non_absorbed_path():
+    model = converted(d_kv=6)
+    attn = model.model.layers[0].self_attn
+    cache = MLACache(config=model.config)
+    x = torch.randn(2, 7, model.config.hidden_size)
+    pos = torch.arange(7)[None].expand(2, -1)
+    with torch.no_grad():
+        emb = model.model.rotary_emb(x, pos)
+        attn(x[:, :6], position_embeddings=tuple(t[:, :6] for t in emb), attention_mask=None, cache=cache)
+        step = (x[:, 6:], tuple(t[:, 6:] for t in emb))
+        padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])             # row 0 left-padded by 2
+        four_d = torch.zeros(2, 1, 1, 7).masked_fill(padding[:, None, None] == 0, float("-inf"))
+        results = {}
+        for absorb, mask in ((False, four_d), (True, four_d), (True, padding), (True, padding.bool()),
+                             (False, None), (True, None)):
+            model.config.absorb_decode = absorb
+            c = MLACache(config=model.config)
+            c.layers[0].update(cache.layers[0].latent.clone(), cache.layers[0].k_rope.clone())
+            results[absorb, None if mask is None else (mask.dim(), mask.dtype)] = \
+                attn(step[0], position_embeddings=step[1], attention_mask=mask, cache=c)[0]
+    reference = results[False, (4, torch.float32)]
+    for key in ((True, (4, torch.float32)), (True, (2, torch.int64)), (True, (2, torch.bool))):
+        assert (results[key] - reference).abs().max().item() <= 1e-5, key
+    assert (results[True, None] - results[False, None]).abs().max().item() <= 1e-5
+    assert (results[True, None] - reference).abs().max().item() > 1e-3       # the padding mask mattered
+
+
+def test_quantized_losses_pair_every_width_with_full_precision():
+    model = converted()
+    blocks = np.random.RandomState(0).randint(1, 512, (6, 40))
+    res = quantized_cache_losses(model, blocks, [4, 8, 2], group_size=GROUP, residual=RESIDUAL, scored=8,
+                                 log=lambda *_: None)
+    assert list(res["bits"]) == ["16", "8", "4", "2"] and res["prefix_tokens"] == 31 and res["blocks"] == 6
+    assert abs(res["bits"]["8"]["loss_change"]) < 1e-3
+    assert abs(res["bits"]["2"]["loss_change"]) > abs(res["bits"]["8"]["loss_change"])
+    assert all(res["bits"][b]["loss_change_stderr"] > 0 for b in ("8", "4", "2"))
+
+
+def test_original_model_uses_transformers_quanto_cache_or_says_why(monkeypatch):
+    model = tiny_llama(num_kv_heads=2)
+    cache = make_cache(model, KVQuant(4, GROUP, RESIDUAL))
+    assert type(cache).__name__ == "QuantizedCache"
+    with pytest.raises(UserError, match="2 or 4 bits, not 8"):
+        make_cache(model, KVQuant(8, GROUP, RESIDUAL))
+    monkeypatch.setitem(sys.modules, "optimum.quanto", None)           # as if not installed
+    with pytest.raises(UserError, match="needs optimum-quanto"):
+        make_cache(model, KVQuant(4, GROUP, RESIDUAL))
+
+
+def test_bad_cache_settings_are_refused_with_the_cause():
+    model = converted()
+    with pytest.raises(UserError, match="unsupported cache bit width 3"):
+        make_cache(model, KVQuant(3, GROUP, RESIDUAL))
+    with pytest.raises(UserError, match="group size 12 does not divide the 16 channels of the latent"):
+        make_cache(model, KVQuant(4, 12, RESIDUAL))
+    with pytest.raises(ValueError, match="backend 'quanto' quantizes per-head keys"):
+        model.generate(prompt(), max_new_tokens=2, cache_implementation="quantized",
+                       cache_config={"backend": "quanto", "nbits": 4})
+    with pytest.raises(NotImplementedError):
+        MLAQuantizedLayer().crop(-1)
+
+
+def test_plan_gives_the_papers_quantized_headline(capsys):
+    assert mla_main(["plan", "--base", "llama-2-7b", "--d-kv", "64", "--kv-bits", "4"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    q = row["kv_quantized"][0]
+    # Llama-2-7B, d_kv 64, r 8: per head 64 + 16 cached elements at 4 bits against 2·128 at 16 bits
+    assert q["kv_reduction_percent_element_bits"] == pytest.approx(100 * (1 - 80 * 4 / (256 * 16)))   # 92.1875
+    assert round(q["kv_reduction_percent_element_bits"], 2) == 92.19
+    # with a bf16 scale and zero per 64 channels: 0.5 more bits per element
+    assert q["kv_reduction_percent_with_scales"] == pytest.approx(100 * (1 - 80 * 4.5 / (256 * 16)), abs=1e-4)
+    with pytest.raises(SystemExit):
+        mla_main(["plan", "--base", "smollm-135m", "--d-kv", "8", "--kv-bits", "3"])
+    capsys.readouterr()
+    assert mla_main(["plan", "--base", "smollm-135m", "--d-kv", "8", "--kv-bits", "4"]) == 2
+    assert "group size 64 does not divide the 24 channels" in capsys.readouterr().err
+
+
+def test_quantized_cache_formula_counts_the_window_in_full_precision():
+    cfg = converted().config
+    full = quantized_cache_bytes(cfg, batch=1, tokens=3, nbits=4, group_size=8, residual=5, element_bytes=4)
+    assert full == 3 * 2 * (16 + 8) * 4                       # all three tokens in the window
+    longer = quantized_cache_bytes(cfg, batch=1, tokens=7, nbits=4, group_size=8, residual=5, element_bytes=4)
+    assert longer - full == 2 * 2 * (16 + 8) * 4 + 2 * 2 * ((16 + 8) // 2 + 2 * 3 * 4)
