@@ -69,3 +69,44 @@ def quantized_cache_bytes(config, *, batch: int, tokens: int, nbits: int, group_
     full = kv_elements_per_token(config) * element_bytes
     return batch * (window * full + (tokens - window) * quantized_bytes_per_token(config, nbits, group_size,
                                                                                      element_bytes))
+
+
+def group_size_for(evaluate: dict, model: str) -> int:
+    """`evaluate.kv_group_size` for one model: an integer, or a mapping of model keys (with `default`)."""
+    size = evaluate["kv_group_size"]
+    return size if isinstance(size, int) else size.get(model, size.get("default", 64))
+
+
+def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, str]]:
+    """(config key, message) for each variant whose cached rows `evaluate.kv_group_size` does not divide,
+    found at parse time rather than in an evaluation job after its training (arithmetic only: the same
+    rule as mla/modeling/cache_mla.check_quantization, without importing torch)."""
+    from mla import study
+    from mla.training.memory import model_config
+
+    e = config["evaluate"]
+    bits = [b for b in e["kv_bits"] if b != FULL_PRECISION_BITS]
+    if not bits:
+        return []
+    errors, seen = [], set()
+    for v in study.all_variants(config):
+        if v.is_baseline or (v.model, v.d_kv, v.r) in seen:
+            continue
+        seen.add((v.model, v.d_kv, v.r))
+        cfg = model_config(config, v.model, results)
+        if cfg is None:           # shape unknown before download: the evaluation job checks it
+            continue
+        s = shapes.shape_of(cfg)
+        r = max(1, s.head_dim // 16) if v.r is None else v.r
+        # svd none keeps the joint factorisation at full rank: min(n_kv·(2d_h − 2r), hidden) latent channels
+        latent = (min(s.kv_heads * (2 * s.head_dim - 2 * r), s.hidden) if v.d_kv is None else s.kv_heads * v.d_kv)
+        group = group_size_for(e, v.model)
+        key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
+        for name, channels in (("latent", latent), ("RoPE key", s.kv_heads * 2 * r)):
+            if channels and channels % group:
+                errors.append((key, f"{group} does not divide the {channels} channels of the {name} of "
+                                    f"{v.experiment}/{v.name} ({v.model})"))
+        for b in bits:
+            if group % (8 // b):
+                errors.append((key, f"{group} is not a multiple of {8 // b}, as {b}-bit packing needs"))
+    return list(dict.fromkeys(errors))

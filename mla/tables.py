@@ -124,7 +124,7 @@ def collect(variants: list[Variant]) -> list[dict]:
             "average": bench.get("average"), "average_se": bench.get("average_stderr"),
             "mmlu_cloze": mmlu.get("acc_norm"), "mmlu_cloze_se": mmlu.get("acc_norm_stderr"),
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
-            "label": v.label,
+            "label": v.label, "kv_quant": ev.get("kv_quant"), "decode": ev.get("decode"),
             "_key": _variant_key(Variant(v.name, d_kv, paper_row=v.paper_row)),
         })
     # KV ratio without a conversion.json: relative to the "original" row's measured elements
@@ -180,6 +180,9 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
         header += _mmlu_cloze_header(paper_model)
     if have["decode_speedup"]:
         header += ["decode speedup", "predicted S(B,T)", "at BxT"]
+    cache_rows = any((r["kv_quant"] or {}).get("bits") for r in raw)
+    if cache_rows:
+        header += CACHE_COLUMNS
 
     rows = []
     for r in raw:
@@ -211,8 +214,60 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             row += _mmlu_cloze_cells(r, paper, paper_model)
         if have["decode_speedup"]:
             row += [r["decode_speedup"], r["decode_predicted"], r["decode_at"]]
+        if cache_rows:
+            full = ((r["kv_quant"] or {}).get("bits") or {}).get("16") or {}
+            row += [16 if full else None, full.get("mean_loss"), full.get("mean_loss_stderr"), None, None,
+                    _bytes_per_token(r, 16)]
         rows.append(row)
+        if cache_rows:
+            rows += _quantized_rows(r, header, labels)
     return header, rows
+
+
+CACHE_COLUMNS = ["cache bits", "cache-decoded loss", "cache-decoded loss" + SE_SUFFIX, "Δ loss vs 16-bit",
+                 "Δ loss vs 16-bit" + SE_SUFFIX, "KV bytes/token"]
+
+
+def _bytes_per_token(r: dict, bits: int) -> float | None:
+    """Bytes per cached token at `bits` (quantized: every token quantized, scales included)."""
+    kvq = r["kv_quant"] or {}
+    if bits == 16:
+        measured = [e for e in (kvq.get("bytes") or {}).values() if e.get("bytes_per_token_full_precision")]
+        return measured[0]["bytes_per_token_full_precision"] if measured else None
+    return ((kvq.get("bytes") or {}).get(str(bits)) or {}).get("bytes_per_quantized_token")
+
+
+def _quantized_rows(r: dict, header: list[str], labels: bool) -> list[list]:
+    """One row per quantized cache width of a variant: its KV change on element bits against the original's
+    16-bit cache (the paper's Table 2 convention), the decoded loss and its paired change, speed."""
+    out = []
+    for bits, entry in ((r["kv_quant"] or {}).get("bits") or {}).items():
+        if bits == "16" or entry.get("status") != "ok":
+            continue
+        b = int(bits)
+        row = dict.fromkeys(header)
+        name = f"{r['variant']} · {b}-bit cache"
+        row.update({"variant": name, "d_kv": r["d_kv"],
+                    "KV mem. change %": _pct_change(None if r["kv_ratio"] is None else r["kv_ratio"] * b / 16),
+                    "cache bits": b, "cache-decoded loss": entry["mean_loss"],
+                    "cache-decoded loss" + SE_SUFFIX: entry.get("mean_loss_stderr"),
+                    "Δ loss vs 16-bit": entry.get("loss_change"),
+                    "Δ loss vs 16-bit" + SE_SUFFIX: entry.get("loss_change_stderr"),
+                    "KV bytes/token": _bytes_per_token(r, b)})
+        if labels:
+            row["label"] = f"{r['label'] or r['variant']} · {b}-bit cache"
+        if "decode speedup" in header:
+            point = _decode_point(r["decode"], f"speedup_q{b}")
+            row.update({"decode speedup": point.get(f"speedup_q{b}"),
+                        "at BxT": f"{point['batch']}x{point['context']}" if point else None})
+        out.append([row[c] for c in header])
+    return out
+
+
+def _decode_point(decode: dict | None, key: str) -> dict:
+    """The grid point with the largest B·T that measured `key`, or {}."""
+    points = [g for g in (decode or {}).get("grid") or [] if g.get(key) is not None]
+    return max(points, key=lambda g: g["batch"] * g["context"]) if points else {}
 
 
 MMLU_CLOZE = "MMLU (cloze)"
@@ -248,6 +303,12 @@ def _fmt(value, column: str) -> str:
         return f"{value:.2f}x"
     if column.startswith("Δ"):
         return f"{value:+.2f}"
+    if column in ("cache bits",):
+        return str(int(value))
+    if column == "KV bytes/token":
+        return f"{value:,.1f}"
+    if column in ("cache-decoded loss", "Δ loss vs 16-bit"):
+        return f"{value:.4f}" if column.startswith("cache") else f"{value:+.4f}"
     if column in ("final train loss", "held-out perplexity", "local task acc_norm"):
         return f"{value:.4f}" if column != "held-out perplexity" else f"{value:.3f}"
     return f"{value:.2f}"

@@ -62,6 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "names (for jobs on nodes without internet, run with HF_HUB_OFFLINE=1)")
     p.add_argument("--kv-batch", type=int, default=2, help="batch of the KV-bytes generate (default 2)")
     p.add_argument("--kv-new-tokens", type=int, default=8, help="tokens generated for the KV-bytes check")
+    q = p.add_argument_group("quantized KV cache (paper Table 2; mla/evaluation/kv_quant.py)")
+    q.add_argument("--kv-bits", default="none",
+                   help="cache bit widths to measure, e.g. 16,8,4,2 (16 = unquantized; 'none' = skip, default): "
+                        "bytes held after generate, held-out loss decoded against the cache, and (MLA) decode "
+                        "speed with the 4-bit (else the smallest) cache")
+    q.add_argument("--kv-group-size", type=int, default=64, help="channels per scale and zero point (default 64)")
+    q.add_argument("--kv-residual", type=int, default=128,
+                   help="newest tokens kept in full precision (default 128)")
+    q.add_argument("--kv-scored", type=int, default=32,
+                   help="tokens decoded one at a time at the end of each held-out block (default 32)")
+    q.add_argument("--kv-blocks", type=int, default=16, help="held-out blocks for the cache losses (default 16)")
     p.add_argument("--decode-grid", default="1x256,4x1024",
                    help="BATCHxCONTEXT list for decode speed, e.g. 1x256,8x4096; 'none' to skip")
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per grid point")
@@ -101,6 +112,45 @@ def _mlflow_target(args):
     return None
 
 
+def _kv_bits(args) -> list[int]:
+    from mla.errors import UserError
+    from mla.evaluation.kv_quant import check_bits
+
+    text = args.kv_bits.strip().lower()
+    if text in ("", "none", "off"):
+        return []
+    try:
+        bits = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise UserError(f"--kv-bits {args.kv_bits!r}: give bit widths like 16,8,4,2") from None
+    check_bits(bits)
+    if args.kv_group_size < 1 or args.kv_residual < 0 or args.kv_scored < 1 or args.kv_blocks < 1:
+        raise UserError("--kv-group-size, --kv-scored and --kv-blocks must be positive, --kv-residual >= 0")
+    return bits
+
+
+def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int) -> None:
+    """Refuse, before the model loads, widths the checkpoint's cache cannot be quantized to."""
+    from mla import shapes
+    from mla.errors import UserError
+    from mla.evaluation.kv_quant import quanto_missing
+    from mla.kvcache import FULL_PRECISION_BITS, cached_rows
+    from mla.modeling.cache_mla import check_quantization
+
+    config = shapes.read_config(checkpoint)
+    quantized = [b for b in bits if b != FULL_PRECISION_BITS]
+    if config.get("model_type") != "mla_llama":
+        if quantized and quanto_missing():
+            raise UserError(f"--kv-bits {','.join(map(str, quantized))}: {quanto_missing()}")
+        return
+    latent, rope = cached_rows(config)
+    for b in quantized:
+        try:
+            check_quantization(b, group_size, {"the latent (n_kv·d_kv)": latent, "the RoPE key (n_kv·2r)": rope})
+        except ValueError as exc:
+            raise UserError(f"--kv-bits {b} --kv-group-size {group_size}: {exc}") from None
+
+
 def run(args) -> int:
     from mla.errors import UserError
 
@@ -114,6 +164,7 @@ def run(args) -> int:
         grid = [] if args.decode_grid.strip().lower() in ("", "none", "off") else parse_grid(args.decode_grid)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    kv_bits = _kv_bits(args)
     target = _mlflow_target(args)      # fail on bad MLflow options before any work
 
     import os
@@ -144,6 +195,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     require_checkpoint(args.model)
+    if kv_bits:
+        _check_cache_quantization(args.model, kv_bits, args.kv_group_size)
     if args.original:
         require_checkpoint(args.original)
     blocks = args.data or args.blocks
@@ -159,7 +212,9 @@ def run(args) -> int:
                        paper_limit=args.paper_limit, lm_eval_batch_size=args.lm_eval_batch_size,
                        mmlu=args.mmlu, mmlu_seed=args.mmlu_seed,
                        kv_batch=args.kv_batch, kv_new_tokens=args.kv_new_tokens, decode_grid=grid,
-                       decode_steps=args.decode_steps, original=args.original)
+                       decode_steps=args.decode_steps, original=args.original, kv_bits=kv_bits,
+                       kv_group_size=args.kv_group_size, kv_residual=args.kv_residual, kv_scored=args.kv_scored,
+                       kv_blocks=args.kv_blocks)
     result = evaluate_model(model, tokenizer, opts, checkpoint=args.model, variant=args.variant)
     path = write_json(result, args.out)
     print(f"evaluate: wrote {path}")

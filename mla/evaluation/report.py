@@ -16,9 +16,14 @@ says so in "status"/"reason" and carries no numbers:
                          sampling, scorer, seconds} | null}
     decode       {steps, device, dtype, weight_bytes, kv_bytes_per_token, original_*, grid: [
                   {batch, context, status: ok, mla_tps, mla_absorbed_tps, original_tps, speedup,
-                   speedup_absorbed, predicted_speedup, fraction_of_predicted, need_bytes, free_bytes}
+                   speedup_absorbed, predicted_speedup, fraction_of_predicted, need_bytes, free_bytes,
+                   mla_absorbed_q<bits>_tps, speedup_q<bits> (with --kv-bits)}
                   | {batch, context, status: ok, model_tps, ...}
                   | {batch, context, status: skipped, reason, need_bytes, free_bytes, ...}]}
+    kv_quant     {group_size, residual, backend: mla|quanto, blocks, scored_tokens_per_block, prefix_tokens,
+                  bytes: {bits: kv_cache fields + bits, group_size, residual | {status: skipped, reason}},
+                  bits: {bits: {status, mean_loss, mean_loss_stderr, perplexity, perplexity_stderr,
+                                loss_change, loss_change_stderr (vs 16, paired over blocks)}}} | null
     seconds      {stage: wall seconds}
 
 Every accuracy and perplexity carries its standard error in a sibling `*_stderr` field (None where
@@ -34,7 +39,8 @@ from pathlib import Path
 
 SCHEMA = "mla.evaluation/1"
 TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",
-                    "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "seconds")
+                    "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "kv_quant",
+                    "seconds")
 
 
 @dataclass
@@ -57,6 +63,11 @@ class EvalOptions:
     decode_grid: list = field(default_factory=lambda: [(1, 256), (4, 1024)])
     decode_steps: int = 8
     original: str | None = None          # original checkpoint for the decode comparison (else random twin)
+    kv_bits: list = field(default_factory=list)   # cache bit widths (16 = unquantized); empty = no kv_quant
+    kv_group_size: int = 64
+    kv_residual: int = 128
+    kv_scored: int = 32
+    kv_blocks: int | None = 16
 
 
 def _versions() -> dict:
@@ -105,6 +116,9 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
             model, blocks, batch_size=opts.ppl_batch_size, max_blocks=opts.max_blocks))
         result["perplexity"] = {"source": str(opts.blocks),
                                 "split": None if str(opts.blocks).endswith(".npy") else opts.split, **ppl}
+    if opts.kv_bits:
+        result["kv_quant"] = stage("kv_quant", lambda: _kv_quant(
+            model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
     if opts.local_task:
         result["benchmarks"]["local"] = stage("local_task", lambda: harness.local_task(
             model, tokenizer, num_docs=opts.local_docs, validation_fraction=opts.validation_fraction,
@@ -126,8 +140,40 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
             first = next(model.parameters())
             original = load_model(opts.original, dtype=first.dtype).to(first.device).eval()
         result["decode"] = stage("decode", lambda: decode.decode_grid(
-            model, opts.decode_grid, steps=opts.decode_steps, original=original, log=log))
+            model, opts.decode_grid, steps=opts.decode_steps, original=original, log=log,
+            quant=_decode_quant(model, opts)))
     return result
+
+
+def _kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
+    """Bytes held after generate at each quantized width, and (with held-out blocks) the decoded losses."""
+    from mla.evaluation import kv_bytes, kv_quant
+    from mla.kvcache import FULL_PRECISION_BITS
+
+    out = {"group_size": opts.kv_group_size, "residual": opts.kv_residual, "bytes": {}}
+    for b in sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True):
+        if not kv_quant.is_mla(model) and b not in (2, 4):
+            out["bytes"][str(b)] = {"status": "skipped", "reason": f"optimum-quanto has no {b}-bit cache"}
+            continue
+        out["bytes"][str(b)] = kv_bytes.measure_kv_bytes(
+            model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens,
+            quant=kv_quant.KVQuant(b, opts.kv_group_size, opts.kv_residual))
+    if blocks is not None:
+        out.update(kv_quant.quantized_cache_losses(
+            model, blocks, opts.kv_bits, group_size=opts.kv_group_size, residual=opts.kv_residual,
+            scored=opts.kv_scored, max_blocks=opts.kv_blocks, batch_size=max(opts.ppl_batch_size, 8), log=log))
+    return out
+
+
+def _decode_quant(model, opts: EvalOptions):
+    """The cache an MLA model is also timed with: 4 bits when measured, else the smallest width."""
+    from mla.evaluation import kv_quant
+    from mla.kvcache import FULL_PRECISION_BITS
+
+    widths = [b for b in opts.kv_bits if b != FULL_PRECISION_BITS]
+    if not widths or not kv_quant.is_mla(model):
+        return None
+    return kv_quant.KVQuant(4 if 4 in widths else min(widths), opts.kv_group_size, opts.kv_residual)
 
 
 def write_json(result: dict, out: str | Path) -> Path:
@@ -175,9 +221,17 @@ def flat_metrics(result: dict) -> dict:
     for p in (result.get("decode") or {}).get("grid", []):
         tag = f"B{p['batch']}_T{p['context']}"
         for k in ("speedup", "speedup_absorbed", "predicted_speedup", "mla_absorbed_tps", "original_tps",
-                  "model_tps"):
+                  "model_tps", *(k for k in p if k.startswith(("speedup_q", "mla_absorbed_q")))):
             if p.get(k) is not None:
                 m[f"decode/{k}_{tag}"] = p[k]
+    kvq = result.get("kv_quant") or {}
+    for b, entry in (kvq.get("bits") or {}).items():
+        for k in ("mean_loss", "mean_loss_stderr", "loss_change", "loss_change_stderr"):
+            if entry.get(k) is not None:
+                m[f"eval/kv{b}bit_{k}"] = entry[k]
+    for b, entry in (kvq.get("bytes") or {}).items():
+        if entry.get("bytes_per_token_measured") is not None:
+            m[f"eval/kv{b}bit_bytes_per_token"] = entry["bytes_per_token_measured"]
     return m
 
 

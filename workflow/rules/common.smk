@@ -11,6 +11,7 @@ from snakemake.exceptions import WorkflowError
 from mla import budgets, study
 from mla.budgets import budget_errors
 from mla.config_schema import schema_problems
+from mla.kvcache import group_size_for, workflow_errors as kv_group_errors
 from mla.training.memory import memory_errors
 
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
@@ -58,6 +59,8 @@ def _semantic_errors(cfg):
         errors += budget_errors(cfg)
     if not errors:  # every training job of a GPU config must fit train.gpu_memory_gb (mla.training.memory)
         errors += memory_errors(cfg)
+    if not errors:  # the quantized cache's group size divides every variant's cached widths
+        errors += kv_group_errors(cfg)
     return list(dict.fromkeys(errors))  # one message per key
 
 
@@ -217,6 +220,9 @@ def evaluate_args(wc):
         args += ["--paper-limit", e["paper_limit"]]
     if e["mmlu"] != 0:   # null: all of MMLU's test split
         args += ["--mmlu", e["mmlu"] or MMLU_QUESTIONS, "--mmlu-seed", e["mmlu_seed"]]
+    if e["kv_bits"]:
+        args += ["--kv-bits", ",".join(map(str, e["kv_bits"])), "--kv-group-size", group_size_for(e, wc.model),
+                 "--kv-residual", e["kv_residual"], "--kv-scored", e["kv_scored"], "--kv-blocks", e["kv_blocks"]]
     if needs_prefetch():
         args += ["--prefetched", PREFETCH_MANIFEST]
     return " ".join(shlex.quote(str(a)) for a in args)
