@@ -125,6 +125,9 @@ def collect(variants: list[Variant]) -> list[dict]:
             "mmlu_cloze": mmlu.get("acc_norm"), "mmlu_cloze_se": mmlu.get("acc_norm_stderr"),
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
             "label": v.label, "kv_quant": ev.get("kv_quant"), "decode": ev.get("decode"),
+            "needle": ((ev.get("long_context") or {}).get("needle") or {}),
+            "longbench": ((ev.get("long_context") or {}).get("longbench") or {}).get("mean"),
+            "longbench_se": ((ev.get("long_context") or {}).get("longbench") or {}).get("mean_stderr"),
             "_key": _variant_key(Variant(v.name, d_kv, paper_row=v.paper_row)),
         })
     # KV ratio without a conversion.json: relative to the "original" row's measured elements
@@ -183,6 +186,11 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
     cache_rows = any((r["kv_quant"] or {}).get("bits") for r in raw)
     if cache_rows:
         header += CACHE_COLUMNS
+    passkey = any(r["needle"] for r in raw)
+    if passkey:
+        header += [PASSKEY, PASSKEY + SE_SUFFIX]
+    if any(r["longbench"] is not None for r in raw):
+        header += [LONGBENCH, LONGBENCH + SE_SUFFIX]
 
     rows = []
     for r in raw:
@@ -218,10 +226,26 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             full = ((r["kv_quant"] or {}).get("bits") or {}).get("16") or {}
             row += [16 if full else None, full.get("mean_loss"), full.get("mean_loss_stderr"), None, None,
                     _bytes_per_token(r, 16)]
+        if passkey:
+            row += _passkey(r, "16")
+        if LONGBENCH in header:
+            row += [None if r["longbench"] is None else 100 * r["longbench"],
+                    None if r["longbench_se"] is None else 100 * r["longbench_se"]]
         rows.append(row)
         if cache_rows:
             rows += _quantized_rows(r, header, labels)
     return header, rows
+
+
+PASSKEY, LONGBENCH = "pass-key acc", "LongBench avg"
+
+
+def _passkey(r: dict, bits: str) -> list:
+    """Pass-key accuracy in points over all lengths, and its SE, with the cache at `bits`."""
+    entry = r["needle"].get(bits) or {}
+    if entry.get("status") != "ok":
+        return [None, None]
+    return [100 * entry["mean"], 100 * entry["mean_stderr"]]
 
 
 CACHE_COLUMNS = ["cache bits", "cache-decoded loss", "cache-decoded loss" + SE_SUFFIX, "Δ loss vs 16-bit",
@@ -256,6 +280,8 @@ def _quantized_rows(r: dict, header: list[str], labels: bool) -> list[list]:
                     "KV bytes/token": _bytes_per_token(r, b)})
         if labels:
             row["label"] = f"{r['label'] or r['variant']} · {b}-bit cache"
+        if PASSKEY in header:
+            row[PASSKEY], row[PASSKEY + SE_SUFFIX] = _passkey(r, bits)
         if "decode speedup" in header:
             point = _decode_point(r["decode"], f"speedup_q{b}")
             row.update({"decode speedup": point.get(f"speedup_q{b}"),
@@ -297,18 +323,20 @@ def _fmt(value, column: str) -> str:
         return value
     if column in ("d_kv",) or (column == "params" and isinstance(value, int)):
         return f"{int(value):,}" if column == "params" else str(int(value))
-    if column.startswith(("KV mem", "Δ KV")):
-        return f"{value:+.2f}%"
-    if column in ("decode speedup", "predicted S(B,T)"):
-        return f"{value:.2f}x"
-    if column.startswith("Δ"):
-        return f"{value:+.2f}"
+    if column in (PASSKEY, LONGBENCH):
+        return f"{value:.1f}"
     if column in ("cache bits",):
         return str(int(value))
     if column == "KV bytes/token":
         return f"{value:,.1f}"
     if column in ("cache-decoded loss", "Δ loss vs 16-bit"):
         return f"{value:.4f}" if column.startswith("cache") else f"{value:+.4f}"
+    if column.startswith(("KV mem", "Δ KV")):
+        return f"{value:+.2f}%"
+    if column in ("decode speedup", "predicted S(B,T)"):
+        return f"{value:.2f}x"
+    if column.startswith("Δ"):
+        return f"{value:+.2f}"
     if column in ("final train loss", "held-out perplexity", "local task acc_norm"):
         return f"{value:.4f}" if column != "held-out perplexity" else f"{value:.3f}"
     return f"{value:.2f}"
@@ -316,7 +344,7 @@ def _fmt(value, column: str) -> str:
 
 def _with_se(value, se, column: str) -> str:
     text = _fmt(value, column)
-    return text if value is None or se is None else f"{text} ± {_fmt(se, column)}"
+    return text if value is None or se is None else f"{text} ± {_fmt(se, column).lstrip('+')}"
 
 
 def to_markdown(header: list[str], rows: list[list], title: str | None = None, notes: list[str] = ()) -> str:
@@ -351,12 +379,21 @@ def write_table(header, rows, out: str | Path, title: str | None = None, notes: 
 
 
 def table_notes(paper_model: str | None, model_name: str | None, variants: list[Variant] = (),
-                any_mmlu_cloze: bool = False) -> list[str]:
+                any_mmlu_cloze: bool = False, any_cache_rows: bool = False) -> list[str]:
     notes = [f"KV mem. change: cached elements per token vs the original model. Final train loss: mean of "
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
              f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper. "
              f"± = one standard error (perplexity: across held-out blocks, delta method; accuracies: lm-eval's "
              f"per-question SE, combined over tasks as independent estimates)."]
+    if any_cache_rows:
+        notes.append("Rows \"· N-bit cache\": the same checkpoint decoding with its KV cache quantized to N bits "
+                     "(asymmetric, one scale and zero point per group of channels of a token; the newest tokens in "
+                     "full precision: MLA's own latent cache, the original and baseline through transformers' "
+                     "optimum-quanto cache). KV mem. change on element bits against the original's 16-bit cache, "
+                     "as the paper's Table 2; KV bytes/token as stored here (quantized: scales included, every "
+                     "token quantized). Cache-decoded loss: the last tokens of held-out blocks decoded one at a "
+                     "time against the cache; Δ loss vs 16-bit: mean of per-block differences ± its SE. "
+                     "Pass-key acc: offline needle-in-a-haystack retrieval, mean over the prompt lengths, ± binomial SE.")
     if any_mmlu_cloze:
         notes.append(f"{MMLU_CLOZE}: the paper's zero-shot MMLU prompt (\"The following are questions about "
                      f"{{topic}}. Question: … Answer:\", answer texts as choices, acc_norm) on a sample of "

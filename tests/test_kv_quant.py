@@ -211,3 +211,65 @@ def test_quantized_cache_formula_counts_the_window_in_full_precision():
     assert full == 3 * 2 * (16 + 8) * 4                       # all three tokens in the window
     longer = quantized_cache_bytes(cfg, batch=1, tokens=7, nbits=4, group_size=8, residual=5, element_bytes=4)
     assert longer - full == 2 * 2 * (16 + 8) * 4 + 2 * 2 * ((16 + 8) // 2 + 2 * 3 * 4)
+
+
+def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
+    from mla.checkpoint import load_model
+    from mla.convert import convert_checkpoint
+    from mla.testing import save_tiny_checkpoint
+
+    src = save_tiny_checkpoint(tmp_path / "gqa", num_kv_heads=2)
+    convert_checkpoint(src, tmp_path / "mla", d_kv=8, r=2, strategy="uniform")
+    np.save(tmp_path / "blocks.npy", np.random.RandomState(0).randint(1, 512, (6, 40)))
+    common = ["--blocks", str(tmp_path / "blocks.npy"), "--no-local-task", "--paper-tasks", "off",
+              "--kv-group-size", "8", "--kv-residual", "4", "--kv-scored", "8", "--needle", "160",
+              "--needle-samples", "2"]
+    assert mla_main(["evaluate", "--model", str(tmp_path / "mla"), "--out", str(tmp_path / "mla.json"),
+                     "--kv-bits", "16,4,2", "--decode-grid", "1x32", "--decode-steps", "2", *common]) == 0
+    assert mla_main(["evaluate", "--model", str(src), "--out", str(tmp_path / "orig.json"),
+                     "--kv-bits", "16,8,4", "--decode-grid", "none", *common]) == 0
+    ev = json.loads((tmp_path / "mla.json").read_text())
+    kvq = ev["kv_quant"]
+    assert list(kvq["bits"]) == ["16", "4", "2"] and kvq["backend"] == "mla"
+    assert all(kvq["bytes"][b]["matches_formula"] for b in ("4", "2"))
+    cfg = load_model(tmp_path / "mla").config
+    assert kvq["bytes"]["4"]["bytes_per_quantized_token"] == 2 * ((16 + 8) // 2 + 2 * 3 * 4)     # 2 layers, fp32
+    assert kvq["bytes"]["4"]["bytes_per_token_full_precision"] == 2 * (cfg.kv_lora_rank + 8) * 4
+    assert set(ev["long_context"]["needle"]) == {"16", "4", "2"}
+    assert ev["long_context"]["needle"]["4"]["lengths"]["160"]["n"] == 2
+    point = ev["decode"]["grid"][0]
+    assert point["speedup_q4"] == pytest.approx(point["mla_absorbed_q4_tps"] / point["original_tps"])
+    orig = json.loads((tmp_path / "orig.json").read_text())["kv_quant"]
+    assert orig["backend"] == "quanto" and orig["bits"]["8"]["status"] == "skipped"
+    assert orig["bytes"]["4"]["cache_class"] == "QuantizedCache"
+    assert orig["bytes"]["4"]["bytes_per_token_measured"] < orig["bytes"]["4"]["bytes_per_token_full_precision"]
+
+    assert mla_main(["table", "--variant", "original", "--eval", str(tmp_path / "orig.json"), "--variant", "dkv8",
+                     "--eval", str(tmp_path / "mla.json"), "--d-kv", "8", "--out", str(tmp_path / "t")]) == 0
+    md = (tmp_path / "t.md").read_text()
+    assert "| dkv8 · 4-bit cache | 8 | -90.62% |" in md          # 62.5 % fewer elements, a quarter of the bits
+    assert "| original · 4-bit cache | – | -75.00% |" in md
+    assert "dkv8 · 8-bit cache" not in md and "original · 8-bit cache" not in md
+
+
+def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_time():
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from mla.config_schema import validated
+    from mla.kvcache import workflow_errors
+
+    cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
+    assert workflow_errors(cfg) == []                          # 24 divides every default width
+    bad = copy.deepcopy(cfg)
+    bad["evaluate"]["kv_group_size"] = 48
+    errors = workflow_errors(bad)
+    assert ("evaluate.kv_group_size", "48 does not divide the 24 channels of the latent of gqa2mla/dkv8 "
+            "(smollm2-135m)") in errors
+    assert all(key == "evaluate.kv_group_size" for key, _ in errors)
+    per_model = copy.deepcopy(cfg)
+    per_model["evaluate"]["kv_group_size"] = {"default": 24, "smollm2-135m-mha": 144}
+    errors = workflow_errors(per_model)    # 144 divides the MHA latents 144 and 288, not 72 nor the RoPE key's 72
+    assert {k for k, _ in errors} == {"evaluate.kv_group_size.smollm2-135m-mha"} and len(errors) == 4

@@ -253,16 +253,15 @@ def test_longbench_online_path_wiring(monkeypatch, tok):
     seen = {}
 
     def fake_run_tasks(m, t, names, **kwargs):
-        seen.update(names=names, window=m.config.n_positions, **kwargs)
+        seen.update(names=names, **kwargs)
         return _fake_results(names, scores, stderrs)
 
     monkeypatch.setattr(harness, "hub_unreachable_reason", lambda: None)
     monkeypatch.setattr(longbench, "missing_metric_modules", lambda: [])
     monkeypatch.setattr(harness, "run_tasks", fake_run_tasks)
     out = longbench.longbench(model, tok, limit=3, max_length=300, batch_size=2)
-    assert seen["names"] == tasks and seen["limit"] == 3 and seen["batch_size"] == 2 and seen["window"] == 300
+    assert seen["names"] == tasks and seen["limit"] == 3 and seen["batch_size"] == 2 and seen["max_length"] == 300
     assert set(seen["task_manager"].task_index) >= set(tasks)
-    assert not hasattr(model.config, "n_positions")          # the window override is undone
     assert out["status"] == "ok" and out["missing"] == []
     assert out["scores"]["Qasper"] == {"task": "longbench_qasper", "score": 0.05, "stderr": 0.02, "n": 5}
     assert out["mean"] == pytest.approx(sum(scores) / 16)

@@ -36,6 +36,8 @@ SIZE_KEYS = {
     "train.decay_steps", "train.save_steps",
     "evaluate.perplexity_blocks", "evaluate.paper_limit", "evaluate.local_docs", "evaluate.kv_new_tokens",
     "evaluate.decode_grid", "evaluate.decode_steps", "evaluate.mmlu",
+    "evaluate.kv_group_size.default", "evaluate.kv_group_size.smollm-135m", "evaluate.kv_residual",
+    "evaluate.kv_scored", "evaluate.kv_blocks", "evaluate.needle_lengths", "evaluate.needle_samples",
 }
 MACHINE_KEYS = {"train.device", "calibrate.device", "evaluate.device"}
 NAMED = ("models", "experiments", "overrides")  # their keys are names, matched by *

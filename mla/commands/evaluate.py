@@ -73,6 +73,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--kv-scored", type=int, default=32,
                    help="tokens decoded one at a time at the end of each held-out block (default 32)")
     q.add_argument("--kv-blocks", type=int, default=16, help="held-out blocks for the cache losses (default 16)")
+    lc = p.add_argument_group("long context")
+    lc.add_argument("--needle", default="none", metavar="LENGTHS",
+                    help="pass-key retrieval at these prompt lengths in tokens, e.g. 256,512 (offline, "
+                         "mla/evaluation/needle.py; with --kv-bits also with each quantized cache); none = skip")
+    lc.add_argument("--needle-samples", type=int, default=10, help="pass keys per length (default 10)")
+    lc.add_argument("--needle-seed", type=int, default=0)
+    lc.add_argument("--longbench", choices=("auto", "off"), default="off",
+                    help="the paper's 16 English LongBench tasks through lm-eval: auto = when the Hub is "
+                         "reachable (skipped with the reason offline); off (default)")
+    lc.add_argument("--longbench-limit", type=int, help="at most N documents per LongBench task")
+    lc.add_argument("--longbench-max-length", type=int,
+                    help="prompt window in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--decode-grid", default="1x256,4x1024",
                    help="BATCHxCONTEXT list for decode speed, e.g. 1x256,8x4096; 'none' to skip")
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per grid point")
@@ -110,6 +122,20 @@ def _mlflow_target(args):
         return {"tracking_uri": args.tracking_uri, "run_id": None, "experiment": args.experiment,
                 "run_name": args.run_name}
     return None
+
+
+def _lengths(text: str, flag: str) -> list[int]:
+    from mla.errors import UserError
+
+    if text.strip().lower() in ("", "none", "off"):
+        return []
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise UserError(f"{flag} {text!r}: give positive token counts like 256,512")
+    return lengths
 
 
 def _kv_bits(args) -> list[int]:
@@ -165,6 +191,9 @@ def run(args) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     kv_bits = _kv_bits(args)
+    needle = _lengths(args.needle, "--needle")
+    if args.needle_samples < 1:
+        raise UserError("--needle-samples must be positive")
     target = _mlflow_target(args)      # fail on bad MLflow options before any work
 
     import os
@@ -214,7 +243,9 @@ def run(args) -> int:
                        kv_batch=args.kv_batch, kv_new_tokens=args.kv_new_tokens, decode_grid=grid,
                        decode_steps=args.decode_steps, original=args.original, kv_bits=kv_bits,
                        kv_group_size=args.kv_group_size, kv_residual=args.kv_residual, kv_scored=args.kv_scored,
-                       kv_blocks=args.kv_blocks)
+                       kv_blocks=args.kv_blocks, needle_lengths=needle, needle_samples=args.needle_samples,
+                       needle_seed=args.needle_seed, longbench=args.longbench, longbench_limit=args.longbench_limit,
+                       longbench_max_length=args.longbench_max_length)
     result = evaluate_model(model, tokenizer, opts, checkpoint=args.model, variant=args.variant)
     path = write_json(result, args.out)
     print(f"evaluate: wrote {path}")

@@ -147,7 +147,8 @@ def run(args) -> int:
     except TableInputError as exc:
         raise UserError(str(exc)) from None
     title = args.title or spec.get("title") or model
-    notes = table_notes(paper_model, model, variants, any_mmlu_cloze=MMLU_CLOZE in header)
+    notes = table_notes(paper_model, model, variants, any_mmlu_cloze=MMLU_CLOZE in header,
+                        any_cache_rows="cache bits" in header)
     paths = write_table(header, rows, args.out, title=title, notes=notes)
     print(paths[1].read_text())
     if args.tracking_uri:

@@ -87,8 +87,10 @@ def paper_task_manager():
 
 def run_tasks(model, tokenizer, tasks: list, *, include_path=None, include_defaults: bool = True,
               metadata: dict | None = None, limit: int | float | None = None, batch_size: int = 8,
-              task_manager=None, shared_context: bool = False) -> dict:
+              task_manager=None, shared_context: bool = False, max_length: int | None = None) -> dict:
     """`lm_eval.simple_evaluate` on an in-memory model (on its own device); returns lm-eval's results dict.
+
+    max_length: the prompt window lm-eval truncates to (default: the model's max_position_embeddings).
 
     shared_context: score multiple-choice requests with `SharedContextLM` (each context run once, its
     KV cache reused for every choice) instead of HFLM's one forward per (context, choice).
@@ -102,7 +104,8 @@ def run_tasks(model, tokenizer, tasks: list, *, include_path=None, include_defau
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     # log-likelihoods in fp32 even for a bf16 model (close choices must not be decided by rounding)
     lm = (SharedContextLM if shared_context else HFLM)(
-        pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, softmax_dtype="float32")
+        pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, softmax_dtype="float32",
+        max_length=max_length)
     manager = task_manager or TaskManager(include_path=str(include_path) if include_path else None,
                                           include_defaults=include_defaults, metadata=metadata)
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=0, limit=limit,

@@ -16,7 +16,7 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
     import torch
 
     from mla.evaluation.kv_quant import is_mla, make_cache
-    from mla.kvcache import cache_nbytes, kv_elements_per_token, quantized_cache_bytes
+    from mla.kvcache import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
 
     if quant is not None:
         prompt_len += quant.residual
@@ -50,5 +50,7 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
               "matches_formula": None if formula is None else nbytes == formula}
     if quant is not None:
         result.update(bits=quant.nbits, group_size=quant.group_size, residual=quant.residual,
-                      bytes_per_token_full_precision=elements * elem)
+                      bytes_per_token_full_precision=elements * elem,
+                      bytes_per_quantized_token=quantized_bytes_per_token(model.config, quant.nbits, quant.group_size,
+                                                                          elem) if is_mla(model) else None)
     return result

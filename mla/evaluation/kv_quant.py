@@ -67,6 +67,18 @@ def make_cache(model, quant: KVQuant | None):
                           residual_length=quant.residual)
 
 
+def generate_kwargs(model, quant: KVQuant | None) -> dict:
+    """`generate()` arguments that build this cache afresh for every call (for callers that generate
+    several times, where one cache object cannot serve)."""
+    if quant is None or quant.nbits == FULL_PRECISION_BITS:
+        return {}
+    make_cache(model, quant)          # the same refusals as a direct cache, before any generation
+    config = {"nbits": quant.nbits, "q_group_size": quant.group_size, "residual_length": quant.residual}
+    if not is_mla(model):
+        config["backend"] = "quanto"
+    return {"cache_implementation": "quantized", "cache_config": config}
+
+
 def check_bits(bits: list[int]) -> None:
     from mla.modeling.cache_mla import SUPPORTED_BITS
 

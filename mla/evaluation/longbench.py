@@ -14,7 +14,6 @@ evaluation is skipped with the reason, before any lm-eval task is loaded.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -57,29 +56,6 @@ def missing_metric_modules() -> list[str]:
     return [m for m in METRIC_MODULES if importlib.util.find_spec(m) is None]
 
 
-@contextlib.contextmanager
-def _context_window(model, max_length: int | None):
-    """Make lm-eval's HFLM truncate prompts to `max_length` tokens.
-
-    run_tasks builds the HFLM without a max_length; HFLM then reads the window from the model config,
-    `n_positions` first. That attribute is set for the duration of the run only; Llama-family and MLA
-    models never read it, so the computation itself is unchanged.
-    """
-    if max_length is None:
-        yield
-        return
-    config = model.config
-    had, old = hasattr(config, "n_positions"), getattr(config, "n_positions", None)
-    config.n_positions = max_length
-    try:
-        yield
-    finally:
-        if had:
-            config.n_positions = old
-        else:
-            delattr(config, "n_positions")
-
-
 def summarise(results: dict, n_samples: dict) -> dict:
     """Per-task score, stderr and n from lm-eval's results, and their unweighted mean ± SE."""
     per_task, missing = {}, []
@@ -118,9 +94,8 @@ def longbench(model, tokenizer, *, limit=None, max_length=None, batch_size=1) ->
     limit_pos = getattr(model.config, "max_position_embeddings", None)
     if max_length is not None and (max_length < 1 or (limit_pos and max_length > limit_pos)):
         raise UserError(f"LongBench max_length {max_length} must be in [1, max_position_embeddings = {limit_pos}]")
-    with _context_window(model, max_length):
-        res = harness.run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size,
-                                task_manager=task_manager())
+    res = harness.run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size,
+                            task_manager=task_manager(), max_length=max_length)
     out = summarise(res["results"], res.get("n-samples", {}))
     return {**out, "harness": "lm-eval", "metric": "score", "limit": limit,
             "max_length": max_length or limit_pos, "tasks": tasks}

@@ -24,6 +24,10 @@ says so in "status"/"reason" and carries no numbers:
                   bytes: {bits: kv_cache fields + bits, group_size, residual | {status: skipped, reason}},
                   bits: {bits: {status, mean_loss, mean_loss_stderr, perplexity, perplexity_stderr,
                                 loss_change, loss_change_stderr (vs 16, paired over blocks)}}} | null
+    long_context {needle: {bits: {status, task, lengths{L: {accuracy, stderr, n, ...}}, mean, mean_stderr,
+                                  samples, seed, ...}} | null,
+                  longbench: {status: ok|partial|skipped, skipped?, scores{column: {task, score, stderr, n}},
+                              mean, mean_stderr, ...} | null} | null
     seconds      {stage: wall seconds}
 
 Every accuracy and perplexity carries its standard error in a sibling `*_stderr` field (None where
@@ -40,7 +44,7 @@ from pathlib import Path
 SCHEMA = "mla.evaluation/1"
 TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",
                     "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "kv_quant",
-                    "seconds")
+                    "long_context", "seconds")
 
 
 @dataclass
@@ -68,6 +72,12 @@ class EvalOptions:
     kv_residual: int = 128
     kv_scored: int = 32
     kv_blocks: int | None = 16
+    needle_lengths: list = field(default_factory=list)   # pass-key prompt lengths; empty = skip
+    needle_samples: int = 10
+    needle_seed: int = 0
+    longbench: str = "off"               # auto (skip offline) | off
+    longbench_limit: int | None = None
+    longbench_max_length: int | None = None
 
 
 def _versions() -> dict:
@@ -119,6 +129,8 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     if opts.kv_bits:
         result["kv_quant"] = stage("kv_quant", lambda: _kv_quant(
             model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
+    if opts.needle_lengths or opts.longbench != "off":
+        result["long_context"] = stage("long_context", lambda: _long_context(model, tokenizer, opts, log))
     if opts.local_task:
         result["benchmarks"]["local"] = stage("local_task", lambda: harness.local_task(
             model, tokenizer, num_docs=opts.local_docs, validation_fraction=opts.validation_fraction,
@@ -162,6 +174,31 @@ def _kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
         out.update(kv_quant.quantized_cache_losses(
             model, blocks, opts.kv_bits, group_size=opts.kv_group_size, residual=opts.kv_residual,
             scored=opts.kv_scored, max_blocks=opts.kv_blocks, batch_size=max(opts.ppl_batch_size, 8), log=log))
+    return out
+
+
+def _long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
+    """Pass-key retrieval with the full cache and each quantized width; LongBench when asked and online."""
+    from mla.evaluation import kv_quant, longbench, needle
+    from mla.kvcache import FULL_PRECISION_BITS
+
+    out = {"needle": None, "longbench": None}
+    if opts.needle_lengths:
+        out["needle"] = {}
+        for b in sorted(set(opts.kv_bits) | {FULL_PRECISION_BITS}, reverse=True):
+            if not kv_quant.is_mla(model) and b not in (FULL_PRECISION_BITS, 2, 4):
+                out["needle"][str(b)] = {"status": "skipped", "reason": f"optimum-quanto has no {b}-bit cache"}
+                continue
+            quant = kv_quant.KVQuant(b, opts.kv_group_size, opts.kv_residual)
+            res = needle.needle_accuracy(model, tokenizer, lengths=opts.needle_lengths, samples=opts.needle_samples,
+                                         seed=opts.needle_seed, generate_kwargs=kv_quant.generate_kwargs(model, quant))
+            out["needle"][str(b)] = {"status": "ok", **res}
+            log(f"evaluate: pass key, {b}-bit cache: {100 * res['mean']:.1f} ± {100 * res['mean_stderr']:.1f} %")
+    if opts.longbench != "off":
+        out["longbench"] = longbench.longbench(model, tokenizer, limit=opts.longbench_limit,
+                                               max_length=opts.longbench_max_length, batch_size=1)
+        if out["longbench"].get("status") == "skipped":
+            log(f"evaluate: skipped: {out['longbench']['skipped']}")
     return out
 
 
@@ -229,6 +266,15 @@ def flat_metrics(result: dict) -> dict:
         for k in ("mean_loss", "mean_loss_stderr", "loss_change", "loss_change_stderr"):
             if entry.get(k) is not None:
                 m[f"eval/kv{b}bit_{k}"] = entry[k]
+    long_context = result.get("long_context") or {}
+    for b, entry in (long_context.get("needle") or {}).items():
+        if entry.get("status") == "ok":
+            m[f"eval/passkey_{b}bit_acc"] = entry["mean"]
+            m[f"eval/passkey_{b}bit_acc_stderr"] = entry["mean_stderr"]
+    lb = long_context.get("longbench") or {}
+    if lb.get("mean") is not None:
+        m["eval/longbench_avg"] = lb["mean"]
+        m["eval/longbench_avg_stderr"] = lb["mean_stderr"]
     for b, entry in (kvq.get("bytes") or {}).items():
         if entry.get("bytes_per_token_measured") is not None:
             m[f"eval/kv{b}bit_bytes_per_token"] = entry["bytes_per_token_measured"]

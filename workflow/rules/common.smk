@@ -223,6 +223,12 @@ def evaluate_args(wc):
     if e["kv_bits"]:
         args += ["--kv-bits", ",".join(map(str, e["kv_bits"])), "--kv-group-size", group_size_for(e, wc.model),
                  "--kv-residual", e["kv_residual"], "--kv-scored", e["kv_scored"], "--kv-blocks", e["kv_blocks"]]
+    if e["needle_lengths"]:
+        args += ["--needle", ",".join(map(str, e["needle_lengths"])), "--needle-samples", e["needle_samples"]]
+    if e["longbench"] != "off":
+        args += ["--longbench", e["longbench"]]
+        if e["longbench_limit"] is not None:
+            args += ["--longbench-limit", e["longbench_limit"]]
     if needs_prefetch():
         args += ["--prefetched", PREFETCH_MANIFEST]
     return " ".join(shlex.quote(str(a)) for a in args)
