@@ -13,7 +13,8 @@
       the bytes of the bf16 params, of `deepspeed.initialize` (fp32 master partition), of the first step (Adam
       states) and the peak of a later step (everything) against the plan's params, optimizer and total.
 (c) decode: absorbed MLA (random weights at Llama-2-7B shapes, `--decode-d-kv`, r = 8, bf16) against a random
-    original twin, batch 8 and 32 at context 4096, beside the predicted S(B,T) (`mla.evaluation.decode`).
+    original twin, batch 8 and 32 at context 4096, beside the predicted S(B,T) (`mla.evaluation.decode`);
+    also absorbed with the 4-bit latent cache (group 64, window 128: the paper's setting), `speedup_q4`.
 
 Without CUDA it prints why and exits 0. `--device cpu --tiny` runs the same code on tiny shapes on the CPU
 (fp32 training, the CPU profiler's memory events as the allocator), which is what the tests run.
@@ -362,11 +363,13 @@ def decode_check(*, tiny: bool, device, d_kv: int, r: int, grid, steps: int, log
     import torch
 
     from mla.evaluation.decode import decode_grid
+    from mla.evaluation.kv_quant import KVQuant
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     config = llama_config("llama-2-7b", tiny)
     model = fresh_model(config, device, dtype, latent={"d_kv": d_kv, "r": r}).eval()
-    out = decode_grid(model, grid, steps=steps, warmup=2, rounds=2, log=lambda m: log(f"(c) {m}"))
+    quant = KVQuant(4, group_size=8 if tiny else 64, residual=8 if tiny else 128)
+    out = decode_grid(model, grid, steps=steps, warmup=2, rounds=2, log=lambda m: log(f"(c) {m}"), quant=quant)
     del model
     gc.collect()
     if torch.device(device).type == "cuda":

@@ -328,3 +328,4 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
     assert [(p["batch"], p["context"]) for p in points] == [(2, 64), (4, 64)]
     for p in points:
         assert p["status"] == "ok" and p["predicted_speedup"] > 1 and p["mla_absorbed_tps"] > 0
+        assert p["speedup_q4"] == pytest.approx(p["mla_absorbed_q4_tps"] / p["original_tps"])
