@@ -12,8 +12,6 @@ process never holds two copies of the model.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -279,7 +277,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
     `whiten_path`: covariances to fit the SVD to (activation-aware); `covariance_path`: covariances used
     only to report output errors of the plain SVD.
     """
-    from mla import checkpoint
+    from mla import atomic, checkpoint
 
     src, out = checkpoint.require_checkpoint(src), Path(out)
     config = shapes.read_config(src)
@@ -301,16 +299,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
     report["scores_file"] = str(scores_path) if scores_path else None
     mla_model.config.mha2mla["source"] = str(src)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic.staged(out, folder=True) as tmp:
         mla_model.save_pretrained(tmp)
         checkpoint.copy_tokenizer_files(src, tmp)
         (tmp / "conversion.json").write_text(json.dumps(report, indent=2))
-        checkpoint.replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mla.checkpoint import replace_dir
+from mla import atomic
 from mla.data.corpus import SPLITS, check_sources, load_corpus, with_weights
 from mla.data.manifest import MANIFEST, DataRequest, read_manifest, tokenizer_fingerprint
 from mla.data.mix import SplitPlan
@@ -103,7 +103,7 @@ def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str |
                 except UserError:  # the request cannot succeed: nothing worth resuming
                     shutil.rmtree(partial, ignore_errors=True)
                     raise
-            replace_dir(partial, out_dir)
+            atomic.replace_dir(partial, out_dir)
     except BaseException:
         pool.close(abort=True)
         raise
@@ -356,9 +356,7 @@ class _Build:
                  "plans": {s: p.state() for s, p in self.plans.items()}, "positions": self.positions,
                  "exhausted": sorted(self.exhausted), "skipped": self.skipped, "tokens_cut": self.tokens_cut,
                  "blobs_missing": self.blobs_missing, "queues": queues_file, "queued": queued}
-        tmp = self.partial / f"{STATE}.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.partial / STATE)
+        atomic.write_json(self.partial / STATE, state, indent=None)
         for old in self.partial.glob("queues-*.npz"):
             if old.name != queues_file:
                 old.unlink()

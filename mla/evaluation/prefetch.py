@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+from mla import atomic
 from mla.errors import UserError
 
 LM_EVAL_FOLDER = "lm-eval"
@@ -42,9 +43,8 @@ def export_paper_tasks(root: Path) -> dict:
                 continue
             rows = load_dataset(cfg["dataset_path"], cfg.get("dataset_name"), split=split,
                                 **(cfg.get("dataset_kwargs") or {}))
-            tmp = target.with_suffix(".jsonl.tmp")
-            rows.to_json(str(tmp), lines=True, force_ascii=False)
-            tmp.replace(target)
+            with atomic.staged(target) as tmp:
+                rows.to_json(str(tmp), lines=True, force_ascii=False)
         counts[name] = sum(1 for _ in (folder / f"{_eval_split(cfg)}.jsonl").open())
     return counts
 
@@ -77,9 +77,7 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str) -> dict:
     elif paper_tasks != "off":
         raise UserError(f"--paper-tasks must be auto or off, got {paper_tasks!r}")
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(out / "manifest.json")
+    atomic.write_json(out / "manifest.json", manifest)
     return manifest
 
 

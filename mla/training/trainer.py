@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from mla import tracking
+from mla import atomic, tracking
 from mla.errors import UserError
 from mla.training.schedule import warmup_constant_sqrt_decay
 
@@ -214,7 +214,7 @@ def mlflow_params(cfg, manifest: dict) -> dict:
 
 def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     """Final HF checkpoint, written to a temporary folder and renamed by rank 0."""
-    from mla.checkpoint import copy_tokenizer_files, replace_dir
+    from mla.checkpoint import copy_tokenizer_files
 
     tmp = out / ".final.tmp"
     if trainer.is_world_process_zero():
@@ -223,7 +223,7 @@ def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     trainer.save_model(str(tmp))  # gathers ZeRO-3 partitions; only rank 0 writes
     if trainer.is_world_process_zero():
         copy_tokenizer_files(cfg.model, tmp)
-        replace_dir(tmp, out / "final")
+        atomic.replace_dir(tmp, out / "final")
     trainer.accelerator.wait_for_everyone()
 
 
@@ -355,11 +355,9 @@ def run_training(cfg, manifest: dict) -> dict:
         "config": json.loads(cfg.to_json()),
     }
     if rank0:
-        tmp = out / ".metrics.csv.tmp"
-        shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
-        os.replace(tmp, out / "metrics.csv")
-        (out / ".run.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(out / ".run.json.tmp", out / "run.json")
+        with atomic.staged(out / "metrics.csv") as tmp:
+            shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
+        atomic.write_json(out / "run.json", info)
         if run_id is not None:
             tracking.log_artifacts(run_id, [out / "metrics.csv", out / "run.json"], tracking_uri=cfg.tracking_uri)
     return info
