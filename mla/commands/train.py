@@ -65,6 +65,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--save-steps", dest="save_steps", type=int, help="checkpoint every N steps (default 50)")
     g.add_argument("--save-total-limit", dest="save_total_limit", type=int, help="checkpoints kept (default 2)")
     g.add_argument("--log-steps", dest="log_steps", type=int, help="metrics row every N steps (default 1)")
+    g.add_argument("--callback", dest="callbacks", action="append", metavar="MODULE:NAME",
+                   help="extra transformers TrainerCallback (class or factory, importable on every rank; repeatable)")
     g = parser.add_argument_group("tracking (MLflow)")
     g.add_argument("--mlflow", action=argparse.BooleanOptionalAction, default=None, help="log to MLflow (default on)")
     g.add_argument("--tracking-uri", dest="tracking_uri", help="default sqlite:///results/mlflow.db")

@@ -27,7 +27,6 @@ from mla.errors import UserError
 from mla.training.schedule import warmup_constant_sqrt_decay
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
-FAULT_ENV = "MLA_FAULT_KILL_AT_STEP"  # fault injection for tests: SIGKILL this process after step N
 
 
 class TrainingDiverged(UserError):
@@ -179,17 +178,18 @@ class MetricsCallback(TrainerCallback):
             self.flush()
 
 
-class FaultInjection(TrainerCallback):
-    """Kill the process (SIGKILL, no cleanup) once step N has been logged: the test of resume."""
+def extra_callbacks(specs: list[str]) -> list[TrainerCallback]:
+    """The --callback MODULE:NAME classes (or factories), imported and called without arguments."""
+    import importlib
 
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.global_step >= self.step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
+    out = []
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        try:
+            out.append(getattr(importlib.import_module(module), name)())
+        except (ImportError, AttributeError) as exc:
+            raise UserError(f"--callback {spec}: {exc}") from None
+    return out
 
 
 def default_tags(cfg, model_config) -> dict:
@@ -315,10 +315,7 @@ def run_training(cfg, manifest: dict) -> dict:
     dataset = BlockDataset(blocks, cfg.steps * cfg.global_batch, cfg.seed)
     metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], None,
                               cfg.tracking_uri)
-    callbacks = [metrics, LayoutCallback(cfg)]
-    fault = int(os.environ.get(FAULT_ENV, "0") or 0)
-    if fault:
-        callbacks.append(FaultInjection(fault))
+    callbacks = [metrics, LayoutCallback(cfg), *extra_callbacks(cfg.callbacks)]
     trainer = build_trainer(cfg, cuda, bf16, dataset, callbacks, universal)
     share = loaded_share(trainer.model)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
