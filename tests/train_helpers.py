@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mla.training.config import TrainConfig
+
 BLOCK = 32
 
 
@@ -49,7 +51,8 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
-                 clip: float = 1.0, weight_decay: float = 0.01, seed: int = 42, model_dir: str = "mla",
+                 clip: float = 1.0, weight_decay: float = TrainConfig.weight_decay, seed: int = TrainConfig.seed,
+                 model_dir: str = "mla",
                  groups: bool = True, return_model: bool = False):
     """The reference: one process, the whole global batch per step, same data order, AdamW (with the
     recipe's parameter groups unless groups=False: then decay on everything) and schedule."""

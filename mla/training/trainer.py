@@ -304,7 +304,7 @@ def run_training(cfg, manifest: dict) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out, ckpt_dir = Path(cfg.out), Path(cfg.checkpoint_dir)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = tracking.is_rank_zero()
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
