@@ -182,14 +182,10 @@ def extra_callbacks(specs: list[str]) -> list[TrainerCallback]:
     """The --callback MODULE:NAME classes (or factories), imported and called without arguments."""
     import importlib
 
-    out = []
-    for spec in specs:
-        module, _, name = spec.partition(":")
-        try:
-            out.append(getattr(importlib.import_module(module), name)())
-        except (ImportError, AttributeError) as exc:
-            raise UserError(f"--callback {spec}: {exc}") from None
-    return out
+    try:
+        return [getattr(importlib.import_module(mod), name)() for mod, _, name in (s.partition(":") for s in specs)]
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--callback: {exc}") from None
 
 
 def default_tags(cfg, model_config) -> dict:
