@@ -207,7 +207,7 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
             errors.append((where, "no variants: give d_kv, variants or baseline: true"))
         for name, own in declared.items():
             key = f"{where}.variants.{name}" if name in (exp.get("variants") or {}) else f"{where}.overrides.{name}"
-            svd = own.get("svd", exp.get("svd")) or "joint"
+            svd = own.get("svd", exp.get("svd")) or DEFAULT_SVD
             whiten = own.get("whiten", False)          # only asked of this variant itself
             if svd == "none" and own.get("d_kv") is not None and name in (exp.get("variants") or {}):
                 errors.append((f"{key}.d_kv", "svd: none keeps K/V at full rank; d_kv follows from the model"))
