@@ -34,7 +34,7 @@ def build_models(d_kv: int, r: int | None):
 
     torch.manual_seed(0)
     original = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
-    mla, report = convert_model(original, d_kv=d_kv, r=r)
+    mla, report = convert_model(original, d_kv=d_kv, r=r, strategy="high")
     return original, mla.eval(), report
 
 

@@ -55,15 +55,3 @@ def link_or_copy(src: Path, dst: Path) -> None:
     except OSError:
         shutil.copy2(src, dst)
 
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a finished folder into place; an older `out` is removed only once the new one is complete."""
-    out = Path(out)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)

@@ -14,6 +14,25 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
 
 
+def load_schema() -> dict:
+    """The YAML schema with the lists and defaults that the package defines filled in (mla.options for
+    the strategies and model sources, TrainConfig for the recipe's paper defaults)."""
+    from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, MODEL_SOURCES, ROPE_STRATEGIES, SVD_METHODS
+    from mla.training.config import TrainConfig
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    props = schema["properties"]
+    experiment = props["experiments"]["additionalProperties"]["properties"]
+    for key, enum, default in (("rope_strategy", ROPE_STRATEGIES, DEFAULT_ROPE_STRATEGY),
+                               ("svd", SVD_METHODS, DEFAULT_SVD)):
+        schema["$defs"]["variant_settings"][key]["enum"] = list(enum)
+        experiment[key].update(enum=list(enum), default=default)
+    props["models"]["additionalProperties"]["properties"]["source"]["enum"] = list(MODEL_SOURCES)
+    for key in ("weight_decay", "seed"):
+        props["train"]["properties"][key]["default"] = getattr(TrainConfig, key)
+    return schema
+
+
 def _validator_with_defaults(schema: dict) -> jsonschema.protocols.Validator:
     """A Draft 2020-12 validator that writes each property's `default` into the instance it checks."""
     base = jsonschema.Draft202012Validator
@@ -39,8 +58,7 @@ def dotted_key(path) -> str:
 
 def schema_problems(cfg: dict) -> list[tuple[str, str]]:
     """Fill `cfg`'s defaults in place; return (dotted key, message) for every schema violation."""
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    errors = sorted(_validator_with_defaults(schema).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
+    errors = sorted(_validator_with_defaults(load_schema()).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
     return [(dotted_key(e.absolute_path), e.message) for e in errors]
 
 

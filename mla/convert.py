@@ -12,8 +12,6 @@ process never holds two copies of the model.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 
 from mla import lowrank, partial_rope, shapes
 from mla.errors import UserError
+from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
 
 def _mla_config(src_config, kv_lora_rank: int, pairs: torch.Tensor, split: bool, provenance: dict):
@@ -172,8 +171,8 @@ def load_scores(path: str | Path | None) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = "high", scores=None,
-                  svd: str = "joint", release_source: bool = False, covariances: dict | None = None,
+def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
+                  svd: str = DEFAULT_SVD, release_source: bool = False, covariances: dict | None = None,
                   whiten: bool = False):
     """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
 
@@ -271,15 +270,15 @@ def count_parameters(model) -> int:
     return total
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = "high",
-                       scores_path: str | Path | None = None, svd: str = "joint",
+def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY,
+                       scores_path: str | Path | None = None, svd: str = DEFAULT_SVD,
                        whiten_path: str | Path | None = None, covariance_path: str | Path | None = None) -> dict:
     """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`.
 
     `whiten_path`: covariances to fit the SVD to (activation-aware); `covariance_path`: covariances used
     only to report output errors of the plain SVD.
     """
-    from mla import checkpoint
+    from mla import atomic, checkpoint
 
     src, out = checkpoint.require_checkpoint(src), Path(out)
     config = shapes.read_config(src)
@@ -301,16 +300,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
     report["scores_file"] = str(scores_path) if scores_path else None
     mla_model.config.mha2mla["source"] = str(src)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic.staged(out, folder=True) as tmp:
         mla_model.save_pretrained(tmp)
         checkpoint.copy_tokenizer_files(src, tmp)
         (tmp / "conversion.json").write_text(json.dumps(report, indent=2))
-        checkpoint.replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("joint", "split", "none")
+from mla.options import DEFAULT_SVD, SVD_METHODS as METHODS
 
 
 @dataclass
@@ -80,7 +80,7 @@ def _truncated(m: torch.Tensor, rank: int, white: torch.Tensor | None = None) ->
     return (u[:, :rank] * s[:rank]).float(), down.float()
 
 
-def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str = "joint",
+def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str = DEFAULT_SVD,
               covariance: torch.Tensor | None = None, damp: float = 0.01) -> LowRankKV:
     """Factorise one layer's key-nope rows [rows_k, d] and value rows [rows_v, d] to latent width `rank`.
 

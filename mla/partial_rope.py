@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-STRATEGIES = ("high", "low", "uniform", "2-norm")
+from mla.options import ROPE_STRATEGIES as STRATEGIES
 
 
 def default_r(head_dim: int) -> int:

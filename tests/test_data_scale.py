@@ -35,19 +35,24 @@ def write_corpus(root: Path, copies: int) -> Path:
 
 
 CHILD = """
-import json, resource, sys
+import json, os, resource, signal, sys
 from mla.data import build_dataset
 args = json.loads(sys.argv[1])
-m = build_dataset(**args, log=lambda *_: None)
+kill_at = args.pop("kill_at_checkpoint", None)   # fault injection: SIGKILL once that checkpoint is written
+def on_checkpoint(n):
+    if n == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+m = build_dataset(**args, log=lambda *_: None, on_checkpoint=on_checkpoint)
 print(json.dumps({"self_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   "children_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                   "tokens": m["splits"]["train"]["tokens"]}))
 """
 
 
-def build_in_subprocess(env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+def build_in_subprocess(**kwargs) -> subprocess.CompletedProcess:
+    """build_dataset(**kwargs) in a child process; kill_at_checkpoint=N: it SIGKILLs itself there."""
     kwargs = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", CHILD, json.dumps(kwargs)], env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -98,7 +103,7 @@ def clean_build(kill_corpus, tokenizer_dir, tmp_path_factory):
 def test_killed_at_a_checkpoint_then_rerun_resumes_to_the_same_bytes(kill_corpus, tokenizer_dir, clean_build,
                                                                       tmp_path):
     out = tmp_path / "data"
-    run = build_in_subprocess({"MLA_FAULT_KILL_AT_DATA_CHECKPOINT": "5"}, **_request(kill_corpus, tokenizer_dir, out))
+    run = build_in_subprocess(**_request(kill_corpus, tokenizer_dir, out), kill_at_checkpoint=5)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     assert not out.exists()                                   # nothing that looks finished
     partial = tmp_path / ".data.partial"
@@ -144,8 +149,8 @@ def test_sigkill_at_any_moment_then_rerun_gives_the_same_bytes(kill_corpus, toke
 
 def test_a_partial_build_of_another_request_is_removed(kill_corpus, tokenizer_dir, clean_build, tmp_path):
     out = tmp_path / "data"
-    run = build_in_subprocess({"MLA_FAULT_KILL_AT_DATA_CHECKPOINT": "2"},
-                              **dict(_request(kill_corpus, tokenizer_dir, out), train_tokens=50_000))
+    run = build_in_subprocess(**dict(_request(kill_corpus, tokenizer_dir, out), train_tokens=50_000),
+                              kill_at_checkpoint=2)
     assert run.returncode == -signal.SIGKILL
     logged = []
     manifest = build_dataset(**_request(kill_corpus, tokenizer_dir, out), log=logged.append)

@@ -39,7 +39,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def mla_dir(tmp_path_factory, tok):
-    mla, _ = convert_model(tiny_llama(num_kv_heads=2), d_kv=4)
+    mla, _ = convert_model(tiny_llama(num_kv_heads=2), d_kv=4, strategy="high")
     return save_model(mla, tok, tmp_path_factory.mktemp("mla") / "dkv4")
 
 
@@ -60,7 +60,7 @@ def test_measured_cache_bytes_match_formula(n_kv, d_kv):
     if d_kv is None:
         expected_per_token = 2 * n_kv * D_H * layers * 4                  # K and V, fp32
     else:
-        model, report = convert_model(model, d_kv=d_kv)
+        model, report = convert_model(model, d_kv=d_kv, strategy="high")
         expected_per_token = n_kv * (d_kv + 2 * report["r"]) * layers * 4  # latent + RoPE'd keys
     res = kv_bytes.measure_kv_bytes(model, batch=3, prompt_len=10, new_tokens=5)
     assert res["cached_tokens"] == 10 + 5 - 1
@@ -78,13 +78,13 @@ def test_perplexity_full_rank_equals_original(blocks_npy):
     ref = perplexity(original, blocks)
     assert ref["tokens"] == 3 * 47 and ref["blocks"] == 3
     # all RoPE pairs kept (r = d_h/2) and the full latent rank: the conversion is exact
-    full, _ = convert_model(original, d_kv=D_H, r=D_H // 2)
+    full, _ = convert_model(original, d_kv=D_H, r=D_H // 2, strategy="high")
     got = perplexity(full, blocks, batch_size=2)
     assert got["mean_loss"] == pytest.approx(ref["mean_loss"], rel=1e-5)
     assert got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5)
     assert ref["perplexity"] == pytest.approx(math.exp(ref["mean_loss"]))
     # ... while a compressed one is measurably different (the comparison can fail)
-    low, _ = convert_model(original, d_kv=1)
+    low, _ = convert_model(original, d_kv=1, strategy="high")
     assert abs(perplexity(low, blocks)["mean_loss"] - ref["mean_loss"]) > 1e-3
 
 
@@ -173,8 +173,8 @@ def test_lm_eval_local_task_on_mla_model(tok):
     finally:
         sys.path.remove(str(TASKS_DIR))
     docs = list(task.load(num_docs=24)["test"])
-    good, _ = convert_model(tiny_llama(num_kv_heads=2, seed=1), d_kv=4)
-    broken, _ = convert_model(tiny_llama(num_kv_heads=2, seed=1), d_kv=4)
+    good, _ = convert_model(tiny_llama(num_kv_heads=2, seed=1), d_kv=4, strategy="high")
+    broken, _ = convert_model(tiny_llama(num_kv_heads=2, seed=1), d_kv=4, strategy="high")
     with torch.no_grad():
         good.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))  # confident logits
         broken.lm_head.weight.zero_()
@@ -518,7 +518,7 @@ def test_smollm2_cache_bytes_match_formula(smollm2):
     assert (c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == (30, 3, 64)
     res = kv_bytes.measure_kv_bytes(model, batch=2, prompt_len=8, new_tokens=4)
     assert res["bytes_per_token_measured"] == 30 * 2 * 3 * 64 * 4 and res["matches_formula"]
-    mla, report = convert_model(model, d_kv=8)
+    mla, report = convert_model(model, d_kv=8, strategy="high")
     assert report["r"] == 4
     res = kv_bytes.measure_kv_bytes(mla, batch=2, prompt_len=8, new_tokens=4)
     assert res["bytes_per_token_measured"] == 30 * 3 * (8 + 8) * 4 and res["matches_formula"]
@@ -529,7 +529,7 @@ def test_smollm2_lm_eval_good_vs_broken(smollm2):
     """A lossless MLA SmolLM2 (all RoPE pairs, full latent rank) picks true next lines far above chance;
     the same model with permuted token embeddings does not."""
     model, tok = smollm2
-    mla, _ = convert_model(model, d_kv=64, r=32)
+    mla, _ = convert_model(model, d_kv=64, r=32, strategy="high")
     good = harness.local_task(mla, tok, num_docs=32)
     with torch.no_grad():
         e = mla.model.embed_tokens.weight

@@ -102,7 +102,26 @@ def test_partial_rope_without_svd_equals_reference(strategy, num_kv_heads):
     assert (got - model(x).logits).abs().max().item() > 10 * TOL
 
 
-def gqa_full_rank_model(num_kv_heads=2, d_kv=None, r=2, svd="joint", **kw):
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["MHA", "GQA"])
+def test_split_svd_at_full_rank_is_exact(num_kv_heads):
+    """SVD_split gives K_nope and V half of the latent each; at full rank the model is partial RoPE alone
+    (the independent reference). Each half reaches W_v's rank when the hidden size bounds it: hidden = d_h."""
+    model = tiny_llama(num_kv_heads=num_kv_heads, hidden_size=16, head_dim=16)
+    cfg, r = model.config, 2
+    pairs = select_pairs("uniform", r, cfg.num_hidden_layers, num_kv_heads, cfg.head_dim)
+    d_kv = 2 * cfg.hidden_size // num_kv_heads        # each half: the hidden size, both matrices' rank
+    x = ids()
+    with torch.no_grad():
+        converted, report = convert_model(model, d_kv=d_kv, r=r, strategy="uniform", svd="split")
+        expected = reference_partial_rope_logits(model, x, pairs)
+        got = converted(x).logits
+    assert converted.config.mha2mla["svd"] == "split"
+    assert max(report["reconstruction_error_per_layer"]) < 1e-5
+    assert (got - expected).abs().max().item() <= TOL
+
+
+def gqa_low_rank_model(num_kv_heads=2, d_kv=None, r=2, svd="joint", **kw):
+    """A converted tiny GQA model below full rank (d_kv 8 of 2·d_h − 2r = 28 by default)."""
     model = tiny_llama(num_kv_heads=num_kv_heads, **kw)
     d_kv = d_kv or 8
     converted, _ = convert_model(model, d_kv=d_kv, r=r, strategy="uniform", svd=svd)
@@ -111,7 +130,7 @@ def gqa_full_rank_model(num_kv_heads=2, d_kv=None, r=2, svd="joint", **kw):
 
 @pytest.mark.parametrize("svd", ["joint", "split"])
 def test_cached_greedy_generation_equals_full_recomputation(svd):
-    model = gqa_full_rank_model(svd=svd)
+    model = gqa_low_rank_model(svd=svd)
     prompt = ids(batch=2, length=5)
     steps = 32
     with torch.no_grad():
@@ -127,7 +146,7 @@ def test_cached_greedy_generation_equals_full_recomputation(svd):
 
 
 def test_absorbed_decode_equals_non_absorbed():
-    model = gqa_full_rank_model(d_kv=6, r=2)
+    model = gqa_low_rank_model(d_kv=6, r=2)
     prompt = ids(batch=3, length=7)
     with torch.no_grad():
         prefill = model(prompt, use_cache=True)
@@ -151,7 +170,7 @@ def test_absorbed_decode_equals_non_absorbed():
 
 
 def test_batched_left_padding_matches_unpadded_generation():
-    model = gqa_full_rank_model(d_kv=6)
+    model = gqa_low_rank_model(d_kv=6)
     pad = 0
     a, b = ids(1, 9, seed=3)[0], ids(1, 4, seed=4)[0]
     batch = torch.full((2, 9), pad)
@@ -168,7 +187,7 @@ def test_batched_left_padding_matches_unpadded_generation():
 
 
 def test_sampling_generation_runs_with_latent_cache_and_is_seeded():
-    model = gqa_full_rank_model()
+    model = gqa_low_rank_model()
     prompt = ids(batch=2, length=4)
     outs = []
     for _ in range(2):
@@ -200,7 +219,7 @@ def test_cache_holds_exactly_the_latent_and_rope_keys(num_kv_heads, d_kv, r):
 
 
 def test_training_forward_backward_reaches_every_mla_parameter():
-    model = gqa_full_rank_model(d_kv=4)
+    model = gqa_low_rank_model(d_kv=4)
     model.train()
     x = ids()
     loss = model(x, labels=x).loss

@@ -15,8 +15,8 @@ RECIPE = ["--steps", str(STEPS), "--lr", str(LR), "--warmup-steps", "2", "--deca
           "--grad-accum", "2", "--save-steps", str(SAVE), "--experiment", "t"]
 
 
-def train(root, out, *extra, env_extra=None):
-    return run_train(root, out, *RECIPE, *extra, env_extra=env_extra)
+def train(root, out, *extra, kill_at_step=None):
+    return run_train(root, out, *RECIPE, *extra, kill_at_step=kill_at_step)
 
 
 rows = read_rows
@@ -36,7 +36,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     full = train(inputs, "full", "--run-name", "full")
     assert full.returncode == 0, full.stderr[-3000:]
 
-    killed = train(inputs, "resumed", "--run-name", "resumed", env_extra={"MLA_FAULT_KILL_AT_STEP": str(KILL_AT)})
+    killed = train(inputs, "resumed", "--run-name", "resumed", kill_at_step=KILL_AT)
     assert killed.returncode == -9, killed.stderr[-3000:]  # really killed (SIGKILL), mid-run
     assert not (inputs / "resumed" / "final").exists()
     assert (inputs / "resumed.checkpoints" / f"checkpoint-{SAVE}").is_dir()
@@ -103,6 +103,7 @@ def test_nan_loss_stops_with_the_step(inputs):
     (["--zero-stage", "0", "--offload"], "offload needs ZeRO"),
     (["--nodes", "0"], "--nodes must be >= 1"),
     (["--checkpoint-dir", "a", "--checkpoint-root", "b"], "exclude each other"),
+    (["--callback", "fault_injection"], "callbacks must be a list of MODULE:NAME"),
 ])
 def test_bad_configs_fail_before_any_work(inputs, tmp_path, capsys, flags, message):
     out = tmp_path / "run"

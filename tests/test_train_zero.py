@@ -119,7 +119,7 @@ def test_resume_with_fewer_processes_through_a_universal_checkpoint(train_inputs
     ckpt_root = root / "keyed"
     keyed = ["--checkpoint-root", str(ckpt_root), "--save-steps", "4"]
     killed = run_train(root, "elastic", "--nproc", str(RANKS), *RECIPE, *keyed,
-                       env_extra={"MLA_FAULT_KILL_AT_STEP": "5"})
+                       kill_at_step=5)
     assert killed.returncode != 0
     [folder] = [p for p in ckpt_root.iterdir()]
     assert (folder / "checkpoint-4" / "mla-layout.json").is_file()

@@ -101,7 +101,9 @@ def test_smoke_workflow_produces_every_output(smoke_run):
             assert table[v.name]["label"] == v.label
             # MMLU cloze ran inside a job with HF_HUB_OFFLINE set, on the data the prefetch rule cached
             mmlu = ev["benchmarks"]["mmlu"]
-            assert mmlu["questions"] == cfg["evaluate"]["mmlu"] and 0 <= mmlu["acc_norm"] <= 1
+            assert mmlu["questions"] == cfg["evaluate"]["mmlu"]
+            correct = mmlu["acc_norm"] * mmlu["questions"]       # an accuracy of n questions is k / n
+            assert correct == pytest.approx(round(correct), abs=1e-6) and 0 <= round(correct) <= mmlu["questions"]
             assert mmlu["acc_norm_stderr"] > 0
             assert "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1" in r.stdout + r.stderr
             assert (work / v.run_dir / "final/config.json").is_file()

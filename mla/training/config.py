@@ -57,6 +57,7 @@ class TrainConfig:
     variant: str | None = None           # tag; default: d_kv<N> for an MLA checkpoint, "baseline" otherwise
     d_kv: int | None = None              # tag; default: from the MLA checkpoint's config
     tags: dict = field(default_factory=dict)
+    callbacks: list = field(default_factory=list)  # MODULE:NAME of extra transformers TrainerCallbacks
 
     # -- resolved values (not set by the user) --
     world_size: int = 1
@@ -163,6 +164,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         _check_deepspeed_override(Path(cfg.deepspeed))
     if not isinstance(cfg.tags, dict):
         raise UserError("tags must be a mapping name -> value")
+    bad = [s for s in cfg.callbacks if not isinstance(s, str) or not all(s.partition(":")[::2])]
+    if not isinstance(cfg.callbacks, list) or bad:
+        raise UserError(f"callbacks must be a list of MODULE:NAME, got {cfg.callbacks!r}")
     return cfg
 
 

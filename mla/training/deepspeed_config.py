@@ -49,9 +49,3 @@ def merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
-
-
-def write_deepspeed_config(cfg, cuda: bool, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(deepspeed_config(cfg, cuda), indent=2) + "\n")
-    return path

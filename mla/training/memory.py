@@ -65,6 +65,7 @@ from pathlib import Path
 
 from mla import shapes, study
 from mla.errors import UserError
+from mla.options import DEFAULT_SVD
 
 GB = 10**9
 HEADROOM_FRACTION = 0.10         # of the GPU, kept for CUDA context, NCCL and fragmentation
@@ -234,7 +235,7 @@ def _check(value, name: str, minimum: int = 1) -> int:
 def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch: int, seq: int, zero_stage: int,
                   gradient_checkpointing: bool, offload: bool = False, precision: str = "bf16",
                   d_kv: int | None = None, r: int | None = None, gpu_memory_bytes: int | None = None,
-                  svd: str = "joint", attention: str = "sdpa", overlap_comm: bool = True) -> dict:
+                  svd: str = DEFAULT_SVD, attention: str = "sdpa", overlap_comm: bool = True) -> dict:
     """Per-GPU memory of one training job of the model `config_dict` (a config.json), as a JSON-ready dict.
 
     `overlap_comm` (DeepSpeed's, on for GPUs in our config) doubles the ZeRO-1/2 reduction buckets."""

@@ -22,12 +22,11 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from mla import tracking
+from mla import atomic, tracking
 from mla.errors import UserError
 from mla.training.schedule import warmup_constant_sqrt_decay
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
-FAULT_ENV = "MLA_FAULT_KILL_AT_STEP"  # fault injection for tests: SIGKILL this process after step N
 
 
 class TrainingDiverged(UserError):
@@ -179,17 +178,14 @@ class MetricsCallback(TrainerCallback):
             self.flush()
 
 
-class FaultInjection(TrainerCallback):
-    """Kill the process (SIGKILL, no cleanup) once step N has been logged: the test of resume."""
+def extra_callbacks(specs: list[str]) -> list[TrainerCallback]:
+    """The --callback MODULE:NAME classes (or factories), imported and called without arguments."""
+    import importlib
 
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.global_step >= self.step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        return [getattr(importlib.import_module(mod), name)() for mod, _, name in (s.partition(":") for s in specs)]
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--callback: {exc}") from None
 
 
 def default_tags(cfg, model_config) -> dict:
@@ -214,7 +210,7 @@ def mlflow_params(cfg, manifest: dict) -> dict:
 
 def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     """Final HF checkpoint, written to a temporary folder and renamed by rank 0."""
-    from mla.checkpoint import copy_tokenizer_files, replace_dir
+    from mla.checkpoint import copy_tokenizer_files
 
     tmp = out / ".final.tmp"
     if trainer.is_world_process_zero():
@@ -223,7 +219,7 @@ def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     trainer.save_model(str(tmp))  # gathers ZeRO-3 partitions; only rank 0 writes
     if trainer.is_world_process_zero():
         copy_tokenizer_files(cfg.model, tmp)
-        replace_dir(tmp, out / "final")
+        atomic.replace_dir(tmp, out / "final")
     trainer.accelerator.wait_for_everyone()
 
 
@@ -304,7 +300,7 @@ def run_training(cfg, manifest: dict) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out, ckpt_dir = Path(cfg.out), Path(cfg.checkpoint_dir)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = tracking.is_rank_zero()
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -315,10 +311,7 @@ def run_training(cfg, manifest: dict) -> dict:
     dataset = BlockDataset(blocks, cfg.steps * cfg.global_batch, cfg.seed)
     metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], None,
                               cfg.tracking_uri)
-    callbacks = [metrics, LayoutCallback(cfg)]
-    fault = int(os.environ.get(FAULT_ENV, "0") or 0)
-    if fault:
-        callbacks.append(FaultInjection(fault))
+    callbacks = [metrics, LayoutCallback(cfg), *extra_callbacks(cfg.callbacks)]
     trainer = build_trainer(cfg, cuda, bf16, dataset, callbacks, universal)
     share = loaded_share(trainer.model)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -355,11 +348,9 @@ def run_training(cfg, manifest: dict) -> dict:
         "config": json.loads(cfg.to_json()),
     }
     if rank0:
-        tmp = out / ".metrics.csv.tmp"
-        shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
-        os.replace(tmp, out / "metrics.csv")
-        (out / ".run.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(out / ".run.json.tmp", out / "run.json")
+        with atomic.staged(out / "metrics.csv") as tmp:
+            shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
+        atomic.write_json(out / "run.json", info)
         if run_id is not None:
             tracking.log_artifacts(run_id, [out / "metrics.csv", out / "run.json"], tracking_uri=cfg.tracking_uri)
     return info

@@ -1,0 +1,9 @@
+"""Choices and defaults that the CLI, the conversion, the study and the workflow schema share, defined once
+here (torch-free, so the Snakefile and `mla --help` import it cheaply). The schema's lists are filled from
+these by mla.config_schema; the recipe's defaults live in mla.training.config.TrainConfig."""
+
+ROPE_STRATEGIES = ("high", "low", "uniform", "2-norm")
+DEFAULT_ROPE_STRATEGY = "2-norm"       # the paper's S_2-norm (needs `mla calibrate` scores)
+SVD_METHODS = ("joint", "split", "none")   # none: partial RoPE only, K/V kept at full rank
+DEFAULT_SVD = "joint"                      # the paper's SVD_joint
+MODEL_SOURCES = ("smollm2-wheel", "hub", "local", "mha-from-gqa", "tiny-random")
