@@ -139,7 +139,7 @@ def main() -> None:
 
         tokens = args.batch * args.seq
         bare = bare_ab({"baseline": base, "mla": mla_dir}, data, args.steps, args.batch, args.threads)
-        runs = {f"bare loop, baseline": bare["baseline"], f"bare loop, MLA d_kv {args.d_kv}": bare["mla"]}
+        runs = {"bare loop, baseline": bare["baseline"], f"bare loop, MLA d_kv {args.d_kv}": bare["mla"]}
         for stage in args.stages:
             runs[f"mla train ZeRO-{stage}, baseline"] = mla_train(base, data, work / f"run{stage}", args.steps,
                                                                   args.batch, stage, args.threads, args.breakdown)

@@ -57,7 +57,7 @@ def main() -> None:
                          "output_error_heldout": report["output_error_mean"],
                          "weight_error": report["reconstruction_error_mean"], **result})
             del converted
-    print(f"| d_kv | SVD | K/V output error (held out) | weight error | held-out loss ± SE | perplexity |")
+    print("| d_kv | SVD | K/V output error (held out) | weight error | held-out loss ± SE | perplexity |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         err = "" if row["d_kv"] is None else f"{row['output_error_heldout']:.3f}"

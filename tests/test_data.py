@@ -208,7 +208,7 @@ def _text_corpus(tmp_path, sizes: dict[str, int], words: int = 60) -> Path:
         root.mkdir()
         for i in range(n):
             (root / f"{i:04d}.txt").write_text(" ".join(f"{name}{(i * 7 + j) % 97}" for j in range(words)) + ".\n")
-        lines += [f"  - name: {name}", f"    weight: 1", "    kind: text_files",
+        lines += [f"  - name: {name}", "    weight: 1", "    kind: text_files",
                   f"    root: {root}"]
     corpus = tmp_path / "corpus.yaml"
     corpus.write_text("\n".join(lines) + "\n")

@@ -127,7 +127,7 @@ def test_paper_config_still_plans_the_papers_jobs(tmp_path):
         for v in study.experiment_variants(cfg, ename):
             t = v.train
             line = next(li for li in out.splitlines() if f"--out {v.run_dir} " in li)
-            assert (f"--steps 12000 " in line and f"--global-batch {t['batch_size']} " in line
+            assert ("--steps 12000 " in line and f"--global-batch {t['batch_size']} " in line
                     and f"--micro-batch {t['micro_batch_size']} " in line and f"--nproc {t['nproc']} " in line
                     and "--precision bf16" in line and "--zero-stage 2" in line), line
             if not v.is_baseline:

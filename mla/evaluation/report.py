@@ -36,7 +36,6 @@ it cannot be estimated, e.g. from a single block); see perplexity.py and harness
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,12 +213,10 @@ def _decode_quant(model, opts: EvalOptions):
 
 
 def write_json(result: dict, out: str | Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
-    return out
+    from mla import atomic
+
+    atomic.write_json(out, result)
+    return Path(out)
 
 
 def flat_metrics(result: dict) -> dict:
