@@ -263,6 +263,14 @@ def check_outputs(workdir: Path) -> list[str]:
             problems.append(f"results/tables/{ename}.csv/.md: missing")
             continue
         rows = list(csv.DictReader(table.open()))
+        cache_rows = [r for r in rows if r.get("cache bits") not in (None, "", "16")]
+        rows = [r for r in rows if r not in cache_rows]    # a quantized-cache row measures the cache alone
+        widths = [b for b in the_study.config["evaluate"]["kv_bits"] if b != 16]
+        if len(cache_rows) != len(evaluated) * len(widths):
+            problems.append(f"{table.relative_to(workdir)}: {len(cache_rows)} quantized-cache rows, expected "
+                            f"{len(evaluated) * len(widths)} ({len(widths)} widths x {len(evaluated)} checkpoints)")
+        if any(_number(r.get("cache-decoded loss")) is None for r in cache_rows):
+            problems.append(f"{table.relative_to(workdir)}: a quantized-cache row without its decoded loss")
         if len(rows) != len(evaluated):
             problems.append(f"{table.relative_to(workdir)}: {len(rows)} rows, expected {len(evaluated)}")
         for task in paper_numbers.TASKS:

@@ -405,7 +405,9 @@ def test_evaluate_cli_json_has_every_field(mla_dir, blocks_npy, tmp_path, monkey
     out = tmp_path / "eval" / "dkv4.json"
     rc = main(["evaluate", "--model", str(mla_dir), "--out", str(out), "--variant", "dkv4",
                "--blocks", str(blocks_npy), "--local-docs", "16", "--decode-grid", "1x32,2x48",
-               "--decode-steps", "2", "--tracking-uri", uri, "--experiment", "exp", "--run-name", "dkv4"])
+               "--decode-steps", "2", "--tracking-uri", uri, "--experiment", "exp", "--run-name", "dkv4",
+               "--kv-bits", "16,4", "--kv-group-size", "2", "--kv-residual", "4", "--kv-scored", "4",
+               "--needle", "160", "--needle-samples", "1"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(TOP_LEVEL_FIELDS) <= set(res)
