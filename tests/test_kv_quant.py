@@ -225,7 +225,8 @@ def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
               "--kv-group-size", "8", "--kv-residual", "4", "--kv-scored", "8", "--needle", "160",
               "--needle-samples", "2"]
     assert mla_main(["evaluate", "--model", str(tmp_path / "mla"), "--out", str(tmp_path / "mla.json"),
-                     "--kv-bits", "16,4,2", "--decode-grid", "1x32", "--decode-steps", "2", *common]) == 0
+                     "--kv-bits", "16,4,2", "--decode-grid", "1x32", "--decode-steps", "2", *common[:-4],
+                     "--needle", "160,4090", "--needle-samples", "2"]) == 0
     assert mla_main(["evaluate", "--model", str(src), "--out", str(tmp_path / "orig.json"),
                      "--kv-bits", "16,8,4", "--decode-grid", "none", *common]) == 0
     ev = json.loads((tmp_path / "mla.json").read_text())
@@ -237,6 +238,7 @@ def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
     assert kvq["bytes"]["4"]["bytes_per_token_full_precision"] == 2 * (cfg.kv_lora_rank + 8) * 4
     assert set(ev["long_context"]["needle"]) == {"16", "4", "2"}
     assert ev["long_context"]["needle"]["4"]["lengths"]["160"]["n"] == 2
+    assert ev["long_context"]["needle_lengths_skipped"] == [4090]     # + 10 generated > 4,096 positions
     point = ev["decode"]["grid"][0]
     assert point["speedup_q4"] == pytest.approx(point["mla_absorbed_q4_tps"] / point["original_tps"])
     orig = json.loads((tmp_path / "orig.json").read_text())["kv_quant"]

@@ -105,10 +105,17 @@ def step_transient_bytes(model, batch: int, tokens: int) -> int:
 
 
 def point_memory(model, original, batch: int, context: int, steps: int, warmup: int, *,
-                 original_allocated: bool, mla_caches: int) -> dict:
-    """Bytes a grid point needs, and how many of them are not allocated yet (`to_allocate_bytes`)."""
+                 original_allocated: bool, mla_caches: int, quant=None) -> dict:
+    """Bytes a grid point needs, and how many of them are not allocated yet (`to_allocate_bytes`);
+    `quant`: one more cache, quantized (kv_quant.KVQuant), of the model."""
     tokens = context + steps + warmup + 1
     caches = mla_caches * batch * tokens * kv_bytes_per_token(model)
+    if quant is not None:
+        from mla.kvcache import quantized_cache_bytes
+
+        caches += quantized_cache_bytes(model.config, batch=batch, tokens=tokens, nbits=quant.nbits,
+                                        group_size=quant.group_size, residual=quant.residual,
+                                        element_bytes=next(model.parameters()).element_size())
     transient = step_transient_bytes(model, batch, tokens)
     weights = resident_bytes(model)
     orig_weights = 0
@@ -229,7 +236,8 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
     try:
         for batch, context in grid:
             mem = point_memory(model, sized_original if is_mla else None, batch, context, steps, warmup,
-                               original_allocated=original is not None, mla_caches=2 if is_mla else 1)
+                               original_allocated=original is not None, mla_caches=2 if is_mla else 1,
+                               quant=quant if is_mla else None)
             free = free_memory()
             if mem["to_allocate_bytes"] > free:
                 point = {"batch": batch, "context": context, "status": "skipped",

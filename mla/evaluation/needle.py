@@ -111,6 +111,14 @@ def draw_samples(tokenizer, length: int, samples: int, seed: int = 0, depths=Non
     return out
 
 
+def fitting_lengths(model, lengths: list[int], generate_kwargs: dict | None = None) -> list[int]:
+    """The lengths whose prompt and generated tokens fit the model's max_position_embeddings (a workflow
+    config lists lengths for several models: SmolLM-135M's window is 2,048 tokens, Llama-2-7B's 4,096)."""
+    limit = _max_positions(model)
+    new_tokens = (generate_kwargs or {}).get("max_new_tokens", MAX_NEW_TOKENS)
+    return [n for n in lengths if limit is None or n + new_tokens <= limit]
+
+
 def _max_positions(model) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "max_position_embeddings", None)

@@ -24,7 +24,7 @@ says so in "status"/"reason" and carries no numbers:
                   bytes: {bits: kv_cache fields + bits, group_size, residual | {status: skipped, reason}},
                   bits: {bits: {status, mean_loss, mean_loss_stderr, perplexity, perplexity_stderr,
                                 loss_change, loss_change_stderr (vs 16, paired over blocks)}}} | null
-    long_context {needle: {bits: {status, task, lengths{L: {accuracy, stderr, n, ...}}, mean, mean_stderr,
+    long_context {needle_skipped?, needle_lengths_skipped? (beyond max_position_embeddings), needle: {bits: {status, task, lengths{L: {accuracy, stderr, n, ...}}, mean, mean_stderr,
                                   samples, seed, ...}} | null,
                   longbench: {status: ok|partial|skipped, skipped?, scores{column: {task, score, stderr, n}},
                               mean, mean_stderr, ...} | null} | null
@@ -182,14 +182,23 @@ def _long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
     from mla.kvcache import FULL_PRECISION_BITS
 
     out = {"needle": None, "longbench": None}
-    if opts.needle_lengths:
+    lengths = needle.fitting_lengths(model, opts.needle_lengths)
+    if opts.needle_lengths and not lengths:
+        out["needle_skipped"] = (f"no length of {opts.needle_lengths} fits the model's "
+                                 f"{model.config.max_position_embeddings} positions")
+        log(f"evaluate: pass key skipped: {out['needle_skipped']}")
+    elif lengths:
+        if lengths != opts.needle_lengths:
+            out["needle_lengths_skipped"] = sorted(set(opts.needle_lengths) - set(lengths))
+            log(f"evaluate: pass key: {out['needle_lengths_skipped']} exceed the model's "
+                f"{model.config.max_position_embeddings} positions, skipped")
         out["needle"] = {}
         for b in sorted(set(opts.kv_bits) | {FULL_PRECISION_BITS}, reverse=True):
             if not kv_quant.is_mla(model) and b not in (FULL_PRECISION_BITS, 2, 4):
                 out["needle"][str(b)] = {"status": "skipped", "reason": f"optimum-quanto has no {b}-bit cache"}
                 continue
             quant = kv_quant.KVQuant(b, opts.kv_group_size, opts.kv_residual)
-            res = needle.needle_accuracy(model, tokenizer, lengths=opts.needle_lengths, samples=opts.needle_samples,
+            res = needle.needle_accuracy(model, tokenizer, lengths=lengths, samples=opts.needle_samples,
                                          seed=opts.needle_seed, generate_kwargs=kv_quant.generate_kwargs(model, quant))
             out["needle"][str(b)] = {"status": "ok", **res}
             log(f"evaluate: pass key, {b}-bit cache: {100 * res['mean']:.1f} ± {100 * res['mean_stderr']:.1f} %")
