@@ -161,18 +161,18 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
     from mla.errors import UserError
     from mla.evaluation.kv_quant import quanto_missing
     from mla.kvcache import FULL_PRECISION_BITS, cached_rows
-    from mla.modeling.cache_mla import check_quantization
+    from mla.modeling.cache_mla import cached_widths, check_quantization
 
     config = shapes.read_config(checkpoint)
     quantized = [b for b in bits if b != FULL_PRECISION_BITS]
     if config.get("model_type") != "mla_llama":
-        if quantized and quanto_missing():
-            raise UserError(f"--kv-bits {','.join(map(str, quantized))}: {quanto_missing()}")
+        reason = quantized and quanto_missing()
+        if reason:
+            raise UserError(f"--kv-bits {','.join(map(str, quantized))}: {reason}")
         return
-    latent, rope = cached_rows(config)
     for b in quantized:
         try:
-            check_quantization(b, group_size, {"the latent (n_kv·d_kv)": latent, "the RoPE key (n_kv·2r)": rope})
+            check_quantization(b, group_size, cached_widths(*cached_rows(config)))
         except ValueError as exc:
             raise UserError(f"--kv-bits {b} --kv-group-size {group_size}: {exc}") from None
 

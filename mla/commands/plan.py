@@ -71,9 +71,9 @@ def _quantized(s, d_kv: int, r: int, bits: int, group_size: int, scale_bytes: in
     every token quantized, the full-precision window left out)."""
     from mla import shapes
     from mla.errors import UserError
-    from mla.modeling.cache_mla import check_quantization, quantized_bytes_per_token
+    from mla.modeling.cache_mla import cached_widths, check_quantization, quantized_bytes_per_token
 
-    rows = {"the latent (n_kv·d_kv)": s.kv_heads * d_kv, "the RoPE key (n_kv·2r)": s.kv_heads * 2 * r}
+    rows = cached_widths(s.kv_heads * d_kv, s.kv_heads * 2 * r)
     try:
         check_quantization(bits, group_size, rows)
     except ValueError as exc:

@@ -44,6 +44,15 @@ def quanto_missing() -> str | None:
     return None
 
 
+def unsupported(model, nbits: int) -> str | None:
+    """Why this model's cache cannot be measured at `nbits` here (original models: optimum-quanto), or None."""
+    if nbits == FULL_PRECISION_BITS or is_mla(model):
+        return None
+    if nbits not in (2, 4):
+        return f"optimum-quanto quantizes a cache to 2 or 4 bits, not {nbits}"
+    return quanto_missing()
+
+
 def make_cache(model, quant: KVQuant | None):
     """A fresh cache for one pass: None (the model's own full-precision cache) or a quantized one."""
     if quant is None or quant.nbits == FULL_PRECISION_BITS:
@@ -56,11 +65,9 @@ def make_cache(model, quant: KVQuant | None):
                                      residual_length=quant.residual)
         except ValueError as exc:
             raise UserError(f"quantized cache: {exc}") from None
-    reason = quanto_missing()
+    reason = unsupported(model, quant.nbits)
     if reason:
         raise UserError(reason)
-    if quant.nbits not in (2, 4):
-        raise UserError(f"optimum-quanto quantizes a cache to 2 or 4 bits, not {quant.nbits}")
     from transformers.cache_utils import QuantizedCache
 
     return QuantizedCache(backend="quanto", config=model.config, nbits=quant.nbits, q_group_size=quant.group_size,
@@ -128,12 +135,11 @@ def quantized_cache_losses(model, blocks: np.ndarray, bits: list[int], *, group_
     per_block = {}
     for b in widths:
         quant = None if b == FULL_PRECISION_BITS else KVQuant(b, group_size, residual)
-        if quant is not None and not is_mla(model):
-            reason = quanto_missing() or (None if b in (2, 4) else f"optimum-quanto has no {b}-bit cache")
-            if reason:
-                out["bits"][str(b)] = {"status": "skipped", "reason": reason}
-                log(f"evaluate: {b}-bit cache skipped: {reason}")
-                continue
+        reason = unsupported(model, b)
+        if reason:
+            out["bits"][str(b)] = {"status": "skipped", "reason": reason}
+            log(f"evaluate: {b}-bit cache skipped: {reason}")
+            continue
         per_block[b] = decoded_loss(model, chosen, quant, scored=scored, batch_size=batch_size)
         mean, se = mean_and_stderr(per_block[b])
         entry = {"status": "ok", "mean_loss": mean, "mean_loss_stderr": se, "perplexity": math.exp(mean),

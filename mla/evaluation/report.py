@@ -163,8 +163,9 @@ def _kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
 
     out = {"group_size": opts.kv_group_size, "residual": opts.kv_residual, "bytes": {}}
     for b in sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True):
-        if not kv_quant.is_mla(model) and b not in (2, 4):
-            out["bytes"][str(b)] = {"status": "skipped", "reason": f"optimum-quanto has no {b}-bit cache"}
+        reason = kv_quant.unsupported(model, b)
+        if reason:
+            out["bytes"][str(b)] = {"status": "skipped", "reason": reason}
             continue
         out["bytes"][str(b)] = kv_bytes.measure_kv_bytes(
             model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens,
@@ -194,8 +195,9 @@ def _long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
                 f"{model.config.max_position_embeddings} positions, skipped")
         out["needle"] = {}
         for b in sorted(set(opts.kv_bits) | {FULL_PRECISION_BITS}, reverse=True):
-            if not kv_quant.is_mla(model) and b not in (FULL_PRECISION_BITS, 2, 4):
-                out["needle"][str(b)] = {"status": "skipped", "reason": f"optimum-quanto has no {b}-bit cache"}
+            reason = kv_quant.unsupported(model, b)
+            if reason:
+                out["needle"][str(b)] = {"status": "skipped", "reason": reason}
                 continue
             quant = kv_quant.KVQuant(b, opts.kv_group_size, opts.kv_residual)
             res = needle.needle_accuracy(model, tokenizer, lengths=lengths, samples=opts.needle_samples,

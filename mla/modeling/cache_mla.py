@@ -26,6 +26,11 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 SUPPORTED_BITS = (2, 4, 8)
 
 
+def cached_widths(latent: int, rope: int) -> dict[str, int]:
+    """The two rows one layer caches per token, by the names error messages give them."""
+    return {"the latent (n_kv·d_kv)": latent, "the RoPE key (n_kv·2r)": rope}
+
+
 def check_quantization(nbits: int, group_size: int, channels: dict[str, int]) -> None:
     """Raise ValueError naming the cause when `nbits`/`group_size` cannot quantize these channel counts."""
     if nbits not in SUPPORTED_BITS:
@@ -140,8 +145,7 @@ class MLAQuantizedLayer(MLALatentLayer):
     def update(self, latent: torch.Tensor, k_rope: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             check_quantization(self.nbits, self.group_size,
-                               {"the latent (n_kv·d_kv)": latent.shape[-1],
-                                "the RoPE key (n_kv·2r)": k_rope.shape[1] * k_rope.shape[-1]})
+                               cached_widths(latent.shape[-1], k_rope.shape[1] * k_rope.shape[-1]))
         super().update(latent, k_rope)
         overflow = self.keys.shape[-2] - self.residual_length
         if overflow > 0:                      # the oldest window tokens leave it: quantize them, once
@@ -228,9 +232,8 @@ class MLAQuantizedCache(MLACache):
 
     def __init__(self, config, nbits: int = 4, group_size: int = 64, residual_length: int = 128):
         if config is not None:   # refuse a group size that does not divide the channels before any forward pass
-            check_quantization(nbits, group_size, {
-                "the latent (n_kv·d_kv)": config.kv_lora_rank,
-                "the RoPE key (n_kv·2r)": config.num_key_value_heads * config.qk_rope_head_dim})
+            check_quantization(nbits, group_size, cached_widths(
+                config.kv_lora_rank, config.num_key_value_heads * config.qk_rope_head_dim))
         self.nbits, self.group_size, self.residual_length = nbits, group_size, residual_length
         layers = [MLAQuantizedLayer(nbits, group_size, residual_length) for _ in range(config.num_hidden_layers)]
         Cache.__init__(self, layers=layers)
@@ -251,4 +254,4 @@ class MLAQuantizedCache(MLACache):
 
 
 __all__ = ["MLACache", "MLAQuantizedCache", "MLALatentLayer", "MLAQuantizedLayer", "QuantizedRows",
-           "check_quantization", "quantized_bytes_per_token", "SUPPORTED_BITS"]
+           "cached_widths", "check_quantization", "quantized_bytes_per_token", "SUPPORTED_BITS"]
