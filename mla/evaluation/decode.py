@@ -141,10 +141,11 @@ def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None):
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.ones(batch, 1, dtype=torch.long, device=device)
     with torch.inference_mode():
-        shapes = [(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype)
-                  for layer in model(input_ids=ids, use_cache=True).cache.layers]
-        cache = make_cache(model, quant) or model(input_ids=ids, use_cache=True).cache
-        if quant is None:
+        own = model(input_ids=ids, use_cache=True).cache
+        shapes = [(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype) for layer in own.layers]
+        cache = make_cache(model, quant)
+        if cache is None:                            # the model's own cache, emptied
+            cache = own
             for layer in cache.layers:
                 layer.reset()                        # free the one-token entries before the new ones exist
         for i, (k_shape, v_shape, dtype) in enumerate(shapes):
