@@ -124,31 +124,28 @@ def _mlflow_target(args):
     return None
 
 
-def _lengths(text: str, flag: str) -> list[int]:
+def _int_list(text: str, flag: str, example: str, minimum: int = 1) -> list[int]:
+    """'256,512' -> [256, 512]; '', 'none' or 'off' -> []; anything else is a UserError naming `flag`."""
     from mla.errors import UserError
 
     if text.strip().lower() in ("", "none", "off"):
         return []
     try:
-        lengths = [int(x) for x in text.split(",")]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
-        lengths = []
-    if not lengths or min(lengths) < 1:
-        raise UserError(f"{flag} {text!r}: give positive token counts like 256,512")
-    return lengths
+        values = []
+    if not values or min(values) < minimum:
+        raise UserError(f"{flag} {text!r}: give a list like {example}")
+    return values
 
 
 def _kv_bits(args) -> list[int]:
     from mla.errors import UserError
     from mla.evaluation.kv_quant import check_bits
 
-    text = args.kv_bits.strip().lower()
-    if text in ("", "none", "off"):
+    bits = _int_list(args.kv_bits, "--kv-bits", "16,8,4,2")
+    if not bits:
         return []
-    try:
-        bits = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise UserError(f"--kv-bits {args.kv_bits!r}: give bit widths like 16,8,4,2") from None
     check_bits(bits)
     if args.kv_group_size < 1 or args.kv_residual < 0 or args.kv_scored < 1 or args.kv_blocks < 1:
         raise UserError("--kv-group-size, --kv-scored and --kv-blocks must be positive, --kv-residual >= 0")
@@ -191,7 +188,7 @@ def run(args) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     kv_bits = _kv_bits(args)
-    needle = _lengths(args.needle, "--needle")
+    needle = _int_list(args.needle, "--needle", "256,512 (prompt tokens)")
     if args.needle_samples < 1:
         raise UserError("--needle-samples must be positive")
     target = _mlflow_target(args)      # fail on bad MLflow options before any work
