@@ -1,8 +1,9 @@
 """Command line entry point: `mla <verb> ...` and `python -m mla <verb> ...`.
 
 Each verb lives in its own module under `mla.commands`, exposing `HELP` (one line),
-`add_arguments(parser)` and `run(args) -> int`. Modules import torch/transformers lazily inside
-`run`, so `mla --help` and argument errors are instant.
+`add_arguments(parser)` and `run(args) -> int`, optionally `parents()` (argparse parent parsers: `mla
+train`'s options come from its config dataclass through transformers.HfArgumentParser). Modules import
+torch lazily inside `run`, so `mla --help` and argument errors take well under a second.
 """
 
 from __future__ import annotations
@@ -39,14 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # verb not built yet
-        p = sub.add_parser(verb, help=module.HELP, description=module.HELP)
+        parents = module.parents() if hasattr(module, "parents") else []  # options declared elsewhere
+        p = sub.add_parser(verb, help=module.HELP, description=module.HELP, parents=parents)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.verb_args = argv[1:]  # for a verb that parses its options again (`mla train`: over a config file)
     try:
         return int(args._run(args) or 0)
     except UserError as exc:  # bad input: one line, no traceback

@@ -129,6 +129,20 @@ def test_missing_inputs_and_config_file(inputs, tmp_path, capsys):
     assert "unknown option(s) ['stepz']" in capsys.readouterr().err
 
 
+def test_options_come_from_defaults_then_the_config_file_then_the_flags(tmp_path):
+    from mla.training.config import TrainConfig, parse_options
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model: m\ndata: d\nout: o\nlr: 3e-4\nsteps: 200\nzero-stage: 2\noffload: true\n"
+                        "tags: [a=1]\n")
+    cfg = parse_options(["--config", str(cfg_file), "--steps", "100", "--tag", "b=2", "--no-mlflow"])
+    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)  # YAML's string '3e-4', converted like a flag
+    assert cfg.steps == 100  # a flag wins over the file, even when it repeats the default
+    assert (cfg.zero_stage, cfg.offload, cfg.mlflow, cfg.seed) == (2, True, False, TrainConfig.seed)
+    assert cfg.tag_mapping() == {"a": "1", "b": "2"}
+    assert (cfg.warmup_steps, cfg.decay_steps) == (5, 10)  # resolved: 5 % and 10 % of the steps
+
+
 def test_deepspeed_config_is_explicit_where_it_matters(tmp_path):
     from mla.training.config import TrainConfig, resolve
     from mla.training.deepspeed_config import deepspeed_config

@@ -25,7 +25,7 @@ MANIFEST = {"block_length": 32, "splits": {"train": {"sha256": "a" * 64, "file":
 LAUNCH_CHANGES = {"nproc": 8, "nodes": 2, "micro_batch": 1, "grad_accum": None, "zero_stage": 3,
                   "gradient_checkpointing": True, "save_steps": 7, "save_total_limit": 5, "log_steps": 3,
                   "threads": 4, "device": "cpu", "master_port": 1234, "run_name": "other", "experiment": "x",
-                  "tags": {"a": "b"}, "mlflow": False, "out": "elsewhere"}
+                  "tags": ["a=b"], "mlflow": False, "out": "elsewhere"}
 # settings of the recipe: each one makes another trajectory
 RECIPE_CHANGES = {"steps": 120, "lr": 2e-4, "warmup_steps": 3, "decay_steps": 9, "weight_decay": 0.05, "clip": 0.5,
                   "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_eps": 1e-6, "global_batch": 32, "seed": 7}

@@ -15,59 +15,89 @@ from mla.training.schedule import check_schedule
 # of the steps (135M), seed 42.
 
 
+def option(default, help: str, **argparse_kwargs):
+    """A TrainConfig field that is also a `mla train` flag (transformers.HfArgumentParser reads the metadata)
+    and a config-file key: each option is declared once, here."""
+    shown = "" if default in (None, "") or callable(default) else f" (default {default})"
+    kind = "default_factory" if callable(default) else "default"
+    return field(**{kind: default}, metadata={"help": help + shown, **argparse_kwargs})
+
+
 @dataclass
 class TrainConfig:
-    model: str = ""                      # HF checkpoint folder (converted MLA model or the unconverted baseline)
-    data: str = ""                       # folder written by `mla data`
-    out: str = ""                        # run folder: final/, metrics.csv, run.json
-    checkpoint_dir: str = ""             # Trainer/DeepSpeed checkpoints (default: <out>.checkpoints)
-    checkpoint_root: str = ""            # instead: checkpoints in ROOT/<trajectory key> (mla.training.resume),
-                                         # deleted after success; other folders there are listed, never deleted
-    steps: int = 100
-    lr: float = 1e-4
-    warmup_steps: int | None = None      # default: 5 % of steps
-    decay_steps: int | None = None       # default: 10 % of steps (1-sqrt decay to 0 at the end)
-    micro_batch: int = 4                 # sequences per rank per forward pass
-    grad_accum: int | None = None        # default: global_batch / (ranks x micro_batch), else 1
-    global_batch: int | None = None      # sequences per optimizer step, all ranks together
-    zero_stage: int = 0
-    offload: bool = False                # ZeRO optimizer state offloaded to CPU (stages 1-3)
-    deepspeed: str | None = None         # JSON file merged over the generated DeepSpeed config (expert knobs)
-    weight_decay: float = 0.01
-    clip: float = 1.0                    # gradient clipping (max global norm); 0 disables
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    seed: int = 42
-    save_steps: int = 50
-    save_total_limit: int = 2
-    log_steps: int = 1
-    precision: str = "auto"              # auto (bf16 where CUDA supports it, else fp32) | bf16 | fp32
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass (same losses, less memory)
-    device: str = "auto"                 # auto (CUDA when present) | cpu | cuda (an error without CUDA)
-    nproc: int = 1                       # processes per node (torchrun re-launch when > 1)
-    nodes: int = 1                       # > 1: one launcher per node of the SLURM job (srun), torchrun rendezvous
-    master_port: int | None = None
-    threads: int | None = None           # torch threads per process
-    mlflow: bool = True
-    tracking_uri: str | None = None      # default sqlite:///results/mlflow.db
-    experiment: str = "mha2mla"
-    run_name: str | None = None          # default: <model_name>-<variant>
-    model_name: str | None = None        # tag; default: the model folder's name
-    variant: str | None = None           # tag; default: d_kv<N> for an MLA checkpoint, "baseline" otherwise
-    d_kv: int | None = None              # tag; default: from the MLA checkpoint's config
-    tags: dict = field(default_factory=dict)
-    callbacks: list = field(default_factory=list)  # MODULE:NAME of extra transformers TrainerCallbacks
+    # inputs and outputs
+    model: str = option("", "HF checkpoint folder (MLA from `mla convert`, or the original model)")
+    data: str = option("", "folder from `mla data`")
+    out: str = option("", "run folder for final/, metrics.csv, run.json")
+    checkpoint_dir: str = option("", "Trainer/DeepSpeed checkpoints (default OUT.checkpoints)")
+    checkpoint_root: str = option("", "instead: checkpoints in ROOT/<trajectory key>, deleted after success "
+                                  "(other folders there are listed, never deleted)", metavar="ROOT")
+    # the recipe
+    steps: int = option(100, "optimizer steps")
+    lr: float = option(1e-4, "peak learning rate")
+    warmup_steps: int | None = option(None, "linear warmup steps (default 5 percent of the steps)")
+    decay_steps: int | None = option(None, "1-sqrt decay to 0 over the last steps (default 10 percent)")
+    micro_batch: int = option(4, "sequences per rank per forward pass")
+    grad_accum: int | None = option(None, "accumulation steps (default: from the global batch, else 1)")
+    global_batch: int | None = option(None, "sequences per optimizer step over all ranks")
+    weight_decay: float = option(0.01, "AdamW weight decay (not on norm weights and biases)")
+    clip: float = option(1.0, "gradient clipping max global norm, 0 = off")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.95, "AdamW beta2")
+    adam_eps: float = option(1e-8, "AdamW epsilon")
+    seed: int = option(42, "seed of the data order and the Trainer")
+    precision: str = option("auto", "auto | bf16 | fp32; auto: bf16 on CUDA with bf16, else fp32")
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass (same losses, "
+                                          "less memory)")
+    # DeepSpeed and processes
+    zero_stage: int = option(0, "ZeRO stage 0 | 1 | 2 | 3")
+    offload: bool = option(False, "offload the optimizer state to CPU (ZeRO 1-3)")
+    deepspeed: str | None = option(None, "JSON file merged over the generated DeepSpeed config", metavar="JSON")
+    device: str = option("auto", "auto | cpu | cuda; auto: CUDA when present; cuda without CUDA is an error")
+    nproc: int = option(1, "processes per node (more than 1 re-launches under torchrun)")
+    nodes: int = option(1, "nodes (more than 1 only inside a SLURM job with that many nodes: srun starts "
+                        "one torchrun per node)")
+    master_port: int | None = option(None, "rendezvous port (default: a free one)")
+    threads: int | None = option(None, "torch threads per process")
+    save_steps: int = option(50, "checkpoint every N steps")
+    save_total_limit: int = option(2, "checkpoints kept")
+    log_steps: int = option(1, "metrics row every N steps")
+    callbacks: list[str] = option(list, "extra transformers TrainerCallback (class or factory, importable on "
+                                  "every rank; repeatable)", aliases=["--callback"], action="extend",
+                                  metavar="MODULE:NAME")
+    # tracking (MLflow)
+    mlflow: bool = option(True, "log to MLflow")
+    tracking_uri: str | None = option(None, "MLflow store (default sqlite:///results/mlflow.db)")
+    experiment: str = option("mha2mla", "MLflow experiment")
+    run_name: str | None = option(None, "MLflow run (default <model>-<variant>); a rerun re-attaches to it")
+    model_name: str | None = option(None, "tag 'model' (default: the model folder's name)")
+    variant: str | None = option(None, "tag 'variant' (default d_kv<N> for MLA, baseline otherwise)")
+    d_kv: int | None = option(None, "tag 'd_kv' (default: from the MLA config)")
+    tags: list[str] = option(list, "extra MLflow tag (repeatable)", aliases=["--tag"], action="extend",
+                             metavar="KEY=VALUE")
 
-    # -- resolved values (not set by the user) --
-    world_size: int = 1
+    # resolved, not an option: processes over all nodes (the launcher's WORLD_SIZE)
+    world_size: int = field(default=1, init=False)
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "world_size"]
+        return [f.name for f in fields(cls) if f.init]
+
+    def tag_mapping(self) -> dict[str, str]:
+        return dict(tag.split("=", 1) for tag in self.tags)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+def option_parser():
+    """`mla train`'s flags, generated from TrainConfig by transformers.HfArgumentParser (`--warmup-steps` and
+    `--warmup_steps` alike; booleans as `--offload [BOOL]`, `--no-mlflow`)."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(TrainConfig, add_help=False)
+    parser.add_argument("--config", help="YAML/JSON file with any of these options ('_' or '-'); flags override it")
+    return parser
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -83,31 +113,19 @@ def load_config_file(path: str | os.PathLike) -> dict:
     if not isinstance(doc, dict):
         raise UserError(f"config file {p}: expected a mapping of option -> value")
     doc = {k.replace("-", "_"): v for k, v in doc.items()}
-    unknown = sorted(set(doc) - set(TrainConfig.field_names()) - {"world_size"})
+    unknown = sorted(set(doc) - set(TrainConfig.field_names()))
     if unknown:
         raise UserError(f"config file {p}: unknown option(s) {unknown}")
-    return {k: _coerce(k, v, p) for k, v in doc.items()}
+    return doc
 
 
-def _coerce(name: str, value, path):
-    """YAML reads 1e-4 as a string (no dot): convert numbers by the field's declared type."""
-    kind = {f.name: str(f.type) for f in fields(TrainConfig)}.get(name, "")
-    if value is None or not isinstance(value, str):
-        return value
-    try:
-        if kind.startswith("float"):
-            return float(value)
-        if kind.startswith("int"):
-            return int(value)
-    except ValueError:
-        raise UserError(f"config file {path}: {name} must be a number, got {value!r}") from None
-    return value
-
-
-def make_config(file_values: dict, flag_values: dict, world_size: int | None = None) -> TrainConfig:
-    """defaults < file < flags (flags that are None are 'not given'); then resolve and check."""
-    values = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
-    cfg = TrainConfig(**values)
+def parse_options(argv: list[str], world_size: int | None = None) -> TrainConfig:
+    """defaults < --config FILE < flags, then resolved and checked. The file's values become the parser's
+    defaults, so argparse converts them like flags (YAML reads 1e-4 as a string) and flags override them."""
+    parser = option_parser()
+    config_file = parser.parse_known_args(argv)[0].config
+    parser.set_defaults(**(load_config_file(config_file) if config_file else {}))
+    cfg, _ = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)  # TrainConfig, the --config value
     cfg.world_size = world_size or cfg.nproc * cfg.nodes
     return resolve(cfg)
 
@@ -162,8 +180,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError("clip and weight decay must be >= 0")
     if cfg.deepspeed:
         _check_deepspeed_override(Path(cfg.deepspeed))
-    if not isinstance(cfg.tags, dict):
-        raise UserError("tags must be a mapping name -> value")
+    if not isinstance(cfg.tags, list) or not all(isinstance(t, str) and "=" in t for t in cfg.tags):
+        raise UserError(f"tags must be a list of KEY=VALUE, got {cfg.tags!r}")
     bad = [s for s in cfg.callbacks if not isinstance(s, str) or not all(s.partition(":")[::2])]
     if not isinstance(cfg.callbacks, list) or bad:
         raise UserError(f"callbacks must be a list of MODULE:NAME, got {cfg.callbacks!r}")

@@ -195,7 +195,7 @@ def default_tags(cfg, model_config) -> dict:
     is_mla = model_config.model_type != "llama" and bool(info)
     variant = cfg.variant or (f"d_kv{d_kv}" if is_mla and d_kv is not None else ("mla" if is_mla else "baseline"))
     model_name = cfg.model_name or Path(cfg.model).resolve().name
-    return {"model": model_name, "variant": variant, "d_kv": d_kv, **cfg.tags}
+    return {"model": model_name, "variant": variant, "d_kv": d_kv, **cfg.tag_mapping()}
 
 
 def mlflow_params(cfg, manifest: dict) -> dict:

@@ -197,10 +197,10 @@ def finetune_args(wc):
         "--decay-steps", t["decay_steps"], "--global-batch", t["batch_size"],
         "--micro-batch", t["micro_batch_size"], "--weight-decay", t["weight_decay"],
         "--clip", t["max_grad_norm"], "--seed", t["seed"], "--precision", t["precision"],
-        "--zero-stage", t["zero_stage"], "--offload" if t["offload_optimizer"] else "--no-offload",
+        "--zero-stage", t["zero_stage"], "--offload", t["offload_optimizer"],
         "--nproc", t["nproc"], "--nodes", t["nodes"], "--save-steps", t["save_steps"],
         "--device", "cuda" if t["device"] == "gpu" else "cpu",
-        "--gradient-checkpointing" if t["gradient_checkpointing"] else "--no-gradient-checkpointing",
+        "--gradient-checkpointing", t["gradient_checkpointing"],
     ]
     return " ".join(shlex.quote(str(a)) for a in args)
 
