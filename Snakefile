@@ -24,6 +24,14 @@ if not workflow.overwrite_configfiles:
 include: "workflow/rules/common.smk"
 
 
+# a Hub token, where one is set, reaches cluster jobs; offline runs have none (Snakemake refuses unset envvars)
+if "HF_TOKEN" in os.environ:
+
+    envvars:
+        "HF_TOKEN",
+
+
+
 check_config(config)  # schema (with defaults and descriptions) + cross-references; stops before any job
 # Every variant and the jobs it needs, keyed by what they compute (mla/study.py): a conversion or a
 # training run that several variants or experiments share is one job.
