@@ -16,8 +16,10 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "co
 
 def load_schema() -> dict:
     """The YAML schema with the lists and defaults that the package defines filled in (mla.options for
-    the strategies and model sources, TrainConfig for the recipe's paper defaults)."""
+    the strategies and model sources, TrainConfig for the recipe's paper defaults and the
+    MLflow experiment, mla.tracking for the store)."""
     from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, MODEL_SOURCES, ROPE_STRATEGIES, SVD_METHODS
+    from mla.tracking import DEFAULT_TRACKING_URI
     from mla.training.config import TrainConfig
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
@@ -30,6 +32,8 @@ def load_schema() -> dict:
     props["models"]["additionalProperties"]["properties"]["source"]["enum"] = list(MODEL_SOURCES)
     for key in ("weight_decay", "seed"):
         props["train"]["properties"][key]["default"] = getattr(TrainConfig, key)
+    props["mlflow"]["properties"]["experiment"]["default"] = TrainConfig.experiment
+    props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
     return schema
 
 
