@@ -7,7 +7,8 @@ For the original model and every fine-tuned checkpoint of a finished run in DIR 
 decoded against the cache at each width, with its paired change from 16 bits; bytes held after
 generate against the formula; pass-key accuracy per width; and, for MLA checkpoints, decode tokens/s
 with the 4-bit latent cache against the original model's full cache (the checkpoint's own original,
-so weights are real on both sides). Prints one line per checkpoint and writes every result as JSON.
+so weights are real on both sides). Widths a cache cannot take are recorded as skipped, with the reason,
+as in the eval JSON. Prints one line per checkpoint and writes every result as JSON.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import yaml
 from mla import study
 from mla.checkpoint import load_model, load_tokenizer
 from mla.config_schema import validated
-from mla.evaluation import decode, kv_bytes, kv_quant, needle
+from mla.evaluation import decode, kv_quant, report
 from mla.evaluation.perplexity import load_blocks
 from mla.kvcache import group_size_for
 
@@ -55,21 +56,14 @@ def main() -> None:
         model, tok = load_model(folder).eval(), load_tokenizer(folder)
         group = group_size_for(e, model_key)
         blocks = load_blocks(args.workdir / "results" / "data" / study.root_model(cfg, model_key), "validation")
+        opts = report.EvalOptions(kv_bits=e["kv_bits"], kv_group_size=group, kv_residual=e["kv_residual"],
+                                  kv_scored=e["kv_scored"], kv_blocks=e["kv_blocks"],
+                                  needle_lengths=e["needle_lengths"], needle_samples=e["needle_samples"])
+        losses = report.measure_kv_quant(model, blocks, opts, log=lambda *_: None)   # as `mla evaluate`
+        held = losses.pop("bytes")
         res = {"model": model_key, "start": start, "checkpoint": str(folder), "group_size": group,
-               "losses": kv_quant.quantized_cache_losses(model, blocks, e["kv_bits"], group_size=group,
-                                                         residual=e["kv_residual"], scored=e["kv_scored"],
-                                                         max_blocks=e["kv_blocks"], log=lambda *_: None),
-               "bytes": {}, "needle": {}}
-        for b in e["kv_bits"]:
-            quant = None if b == 16 else kv_quant.KVQuant(b, group, e["kv_residual"])
-            if quant and not kv_quant.is_mla(model) and b not in (2, 4):
-                continue
-            if quant:
-                res["bytes"][str(b)] = kv_bytes.measure_kv_bytes(model, quant=quant)
-            if e["needle_lengths"]:
-                res["needle"][str(b)] = needle.needle_accuracy(
-                    model, tok, lengths=e["needle_lengths"], samples=e["needle_samples"],
-                    generate_kwargs=kv_quant.generate_kwargs(model, quant))
+               "losses": losses, "bytes": held,
+               "needle": report.measure_long_context(model, tok, opts, log=lambda *_: None)["needle"] or {}}
         if kv_quant.is_mla(model) and args.decode != "none":
             original = load_model(args.workdir / study.model_dir(model_key)).eval()
             res["decode"] = decode.decode_grid(model, decode.parse_grid(args.decode), steps=8, rounds=2,
@@ -82,7 +76,8 @@ def main() -> None:
             f"{b}-bit {v['mean_loss']:.3f}" + (f" (Δ {v['loss_change']:+.4f} ± {v['loss_change_stderr']:.4f})"
                                                 if "loss_change" in v else "")
             for b, v in bits.items() if v.get("status") == "ok")
-            + "; pass key " + ", ".join(f"{b}: {100 * v['mean']:.0f}%" for b, v in res["needle"].items())
+            + "; pass key " + ", ".join(f"{b}: {100 * v['mean']:.0f}%" for b, v in res["needle"].items()
+                                        if v["status"] == "ok")
             + (f"; decode q4/original {res['decode'].get('speedup_q4', float('nan')):.2f}x, absorbed/original "
                f"{res['decode'].get('speedup_absorbed', float('nan')):.2f}x" if "decode" in res else "")
             + f" [{res['seconds']} s]", flush=True)

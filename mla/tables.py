@@ -22,11 +22,12 @@ fields): in the CSV as a separate column named after the value's column with the
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import pandas as pd
 
 from mla import paper_numbers
 
@@ -66,16 +67,13 @@ def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
     """Mean training loss over the last `last` logged steps of a metrics.csv."""
     if not path.is_file():
         raise TableInputError(f"metrics file not found: {path}")
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if "loss" not in (reader.fieldnames or []):
-            raise TableInputError(f"{path}: no 'loss' column (header is {reader.fieldnames})")
-        losses = [float(r["loss"]) for r in reader if r.get("loss") not in (None, "")]
-    losses = [x for x in losses if math.isfinite(x)]
-    if not losses:
+    metrics = pd.read_csv(path)
+    if "loss" not in metrics:
+        raise TableInputError(f"{path}: no 'loss' column (header is {list(metrics.columns)})")
+    losses = metrics["loss"][np.isfinite(metrics["loss"])]
+    if losses.empty:
         raise TableInputError(f"{path}: no finite loss values")
-    tail = losses[-last:]
-    return sum(tail) / len(tail)
+    return float(losses.tail(last).mean())
 
 
 def _variant_key(v: Variant) -> str | int | None:
@@ -342,38 +340,26 @@ def _fmt(value, column: str) -> str:
     return f"{value:.2f}"
 
 
-def _with_se(value, se, column: str) -> str:
-    text = _fmt(value, column)
-    return text if value is None or se is None else f"{text} ± {_fmt(se, column).lstrip('+')}"
-
-
 def to_markdown(header: list[str], rows: list[list], title: str | None = None, notes: list[str] = ()) -> str:
     """Markdown table; a column `X_se` right after `X` is shown inside it as `value ± se`."""
-    shown = [i for i, c in enumerate(header)
-             if not (c.endswith(SE_SUFFIX) and i > 0 and header[i - 1] + SE_SUFFIX == c)]
-    has_se = {i: i + 1 < len(header) and header[i + 1] == header[i] + SE_SUFFIX for i in shown}
-    lines = [f"### {title}", ""] if title else []
-    lines.append("| " + " | ".join(header[i] for i in shown) + " |")
-    lines.append("| " + " | ".join("---" for _ in shown) + " |")
-    for row in rows:
-        cells = [_with_se(row[i], row[i + 1] if has_se[i] else None, header[i]) for i in shown]
-        lines.append("| " + " | ".join(cells) + " |")
-    if notes:
-        lines.append("")
-        lines += [f"{n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    values = pd.DataFrame(rows, columns=header, dtype=object)
+    text = values.apply(lambda col: col.map(lambda v: _fmt(v, col.name.removesuffix(SE_SUFFIX))))
+    folded = {x: se for x, se in zip(header, header[1:]) if se == x + SE_SUFFIX}
+    for x, se in folded.items():
+        both = values[x].notna() & values[se].notna()
+        text.loc[both, x] += " ± " + text.loc[both, se].str.lstrip("+")
+    shown = text.drop(columns=list(folded.values()))
+    table = shown.to_markdown(index=False, tablefmt="github", disable_numparse=True)   # cells stay as formatted
+    return "\n".join([*([f"### {title}", ""] if title else []), table, *(["", *notes] if notes else [])]) + "\n"
 
 
 def write_table(header, rows, out: str | Path, title: str | None = None, notes: list[str] = ()) -> list[Path]:
-    """Write OUT.csv (raw numbers, empty for missing) and OUT.md (formatted)."""
+    """Write OUT.csv (raw numbers, floats to 6 significant digits, empty for missing) and OUT.md (formatted)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out.with_suffix(".csv"), out.with_suffix(".md")
-    with csv_path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        for row in rows:
-            w.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
+    pd.DataFrame([[f"{v:.6g}" if isinstance(v, float) else v for v in row] for row in rows],
+                 columns=header, dtype=object).to_csv(csv_path, index=False)
     md_path.write_text(to_markdown(header, rows, title, notes))
     return [csv_path, md_path]
 

@@ -20,6 +20,7 @@ cannot fit is skipped with the numbers (Llama-2-7B's original at 32 x 4096 in fp
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 FIXED_MARGIN = 512 * 2 ** 20   # allocator slack and kernels' workspaces
@@ -187,10 +188,7 @@ class _Stepper:
 
     def tokens_per_second(self) -> float:
         """batch / median step time (the median resists other processes' bursts on a shared machine)."""
-        times = sorted(self.step_seconds)
-        mid = len(times) // 2
-        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
-        return self.batch / median
+        return self.batch / statistics.median(self.step_seconds)
 
 
 def decode_tokens_per_second(model, batch: int, context: int, steps: int = 8, warmup: int = 2) -> dict:

@@ -126,10 +126,10 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
         result["perplexity"] = {"source": str(opts.blocks),
                                 "split": None if str(opts.blocks).endswith(".npy") else opts.split, **ppl}
     if opts.kv_bits:
-        result["kv_quant"] = stage("kv_quant", lambda: _kv_quant(
+        result["kv_quant"] = stage("kv_quant", lambda: measure_kv_quant(
             model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
     if opts.needle_lengths or opts.longbench != "off":
-        result["long_context"] = stage("long_context", lambda: _long_context(model, tokenizer, opts, log))
+        result["long_context"] = stage("long_context", lambda: measure_long_context(model, tokenizer, opts, log))
     if opts.local_task:
         result["benchmarks"]["local"] = stage("local_task", lambda: harness.local_task(
             model, tokenizer, num_docs=opts.local_docs, validation_fraction=opts.validation_fraction,
@@ -156,7 +156,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     return result
 
 
-def _kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
+def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     """Bytes held after generate at each quantized width, and (with held-out blocks) the decoded losses."""
     from mla.evaluation import kv_bytes, kv_quant
     from mla.kvcache import FULL_PRECISION_BITS
@@ -177,7 +177,7 @@ def _kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     return out
 
 
-def _long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
+def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
     """Pass-key retrieval with the full cache and each quantized width; LongBench when asked and online."""
     from mla.evaluation import kv_quant, longbench, needle
     from mla.kvcache import FULL_PRECISION_BITS
