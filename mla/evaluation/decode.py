@@ -191,16 +191,6 @@ class _Stepper:
         return self.batch / statistics.median(self.step_seconds)
 
 
-def decode_tokens_per_second(model, batch: int, context: int, steps: int = 8, warmup: int = 2) -> dict:
-    stepper = _Stepper(model, batch, context)
-    stepper.run(warmup, record=False)
-    stepper.run(steps)
-    tps = stepper.tokens_per_second()
-    del stepper
-    gc.collect()
-    return {"tokens_per_second": tps, "step_ms": 1000 * batch / tps}
-
-
 def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, rounds: int = 2,
                 original=None, log=print, free_memory=None, quant=None) -> dict:
     """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA);
