@@ -152,3 +152,16 @@ def test_spec_file(experiment, tmp_path):
 def test_bad_input_names_the_cause(tmp_path, capsys, argv, message):
     assert main(["table", "--out", str(tmp_path / "t"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("variants: [name: x\n", "not valid YAML/JSON"),       # a malformed file: one line, no traceback
+    ("- a\n- b\n", "expected a mapping"),
+    ("panels: []\n", "expected a mapping with a 'variants' list"),
+])
+def test_a_bad_spec_file_names_the_cause(tmp_path, capsys, text, message):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(text)
+    assert main(["table", "--out", str(tmp_path / "t"), "--spec", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(spec) in err and "Traceback" not in err

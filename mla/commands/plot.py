@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 HELP = "draw loss-vs-step figures (MHA2MLA / GQA2MLA panels) from training metrics.csv files."
@@ -91,18 +90,11 @@ def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
 
 def load_spec(path: str) -> list[dict]:
     from mla.errors import UserError
+    from mla.specfile import read_mapping
 
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--spec file not found: {p}")
-    text = p.read_text()
-    if p.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict) or not isinstance(data.get("panels"), list):
+    data = read_mapping(p, "--spec file")
+    if not isinstance(data.get("panels"), list):
         raise UserError(f"{p}: expected a mapping with a 'panels' list")
     for panel in data["panels"]:
         for run in panel.get("runs", []) if isinstance(panel, dict) else []:

@@ -76,17 +76,11 @@ def variants_from_items(items) -> list[dict]:
 
 def load_spec(path: str) -> dict:
     from mla.errors import UserError
+    from mla.specfile import read_mapping
 
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--spec file not found: {p}")
-    if p.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(p.read_text())
-    else:
-        data = json.loads(p.read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
+    data = read_mapping(p, "--spec file")
+    if not isinstance(data.get("variants"), list):
         raise UserError(f"{p}: expected a mapping with a 'variants' list")
     for v in data["variants"]:
         for key in ("eval", "conversion", "metrics"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla.errors import UserError
+from mla.specfile import read_mapping
 
 SPLITS = ("train", "validation")
 
@@ -63,13 +64,8 @@ def load_corpus(spec: str) -> tuple[str, list[Source]]:
     path = Path(spec)
     if not path.is_file():
         raise UserError(f"unknown corpus {spec!r}: not one of {sorted(CORPORA)} and not a file")
-    import yaml
-
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UserError(f"corpus file {path}: not valid YAML/JSON ({' '.join(str(exc).split())})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("sources"), list) or not doc["sources"]:
+    doc = read_mapping(path, "corpus file")
+    if not isinstance(doc.get("sources"), list) or not doc["sources"]:
         raise UserError(f"corpus file {path}: expected a mapping with a non-empty 'sources' list")
     sources = []
     for i, entry in enumerate(doc["sources"]):

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mla.errors import UserError
+from mla.specfile import read_mapping
 from mla.training.schedule import check_schedule
 
 # paper-spec §5.1: AdamW(0.9, 0.95, 1e-8), peak lr 1e-4, clip 1.0, weight decay 0.01, warmup 5 %, decay 10 %
@@ -101,17 +102,8 @@ def option_parser():
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
-    import yaml
-
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file {p} does not exist")
-    try:
-        doc = (json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())) or {}
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise UserError(f"config file {p}: not valid YAML/JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise UserError(f"config file {p}: expected a mapping of option -> value")
+    doc = read_mapping(p, "config file")
     doc = {k.replace("-", "_"): v for k, v in doc.items()}
     unknown = sorted(set(doc) - set(TrainConfig.field_names()))
     if unknown:
