@@ -16,6 +16,8 @@ min_version("9.0")
 # config.yaml is the default; a --configfile on the command line replaces it entirely. Several
 # --configfile files merge in order, dictionaries key by key (lists are replaced), so an overlay such as
 # configs/paper-rehearsal.yaml changes only what it names. --config key=value overrides single keys.
+# (Snakemake 9's --replace-workflow-config is not enough: under a bare --config key=value it drops
+# config.yaml too, so the workflow asks `workflow.overwrite_configfiles`, the --configfile list.)
 if not workflow.overwrite_configfiles:
 
     configfile: os.path.join(workflow.basedir, "config.yaml")
