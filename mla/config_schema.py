@@ -14,11 +14,19 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
 
 
+# evaluate keys whose default is `mla evaluate`'s (the others are the CPU workflow's own: fewer blocks, a
+# smaller decode grid, the paper tasks off)
+EVALUATE_DEFAULTS_FROM_CLI = ("local_docs", "mmlu", "mmlu_seed", "paper_limit", "kv_group_size", "kv_residual",
+                              "kv_scored", "kv_blocks", "needle_samples", "longbench", "longbench_limit",
+                              "decode_steps")
+
+
 def load_schema() -> dict:
     """The YAML schema with the lists and defaults that the package defines filled in (mla.options for
     the strategies and model sources, TrainConfig for the recipe's paper defaults and the
-    MLflow experiment, mla.tracking for the store)."""
+    MLflow experiment, mla.tracking for the store, EvalOptions for the evaluation's)."""
     from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, MODEL_SOURCES, ROPE_STRATEGIES, SVD_METHODS
+    from mla.evaluation.report import EvalOptions
     from mla.tracking import DEFAULT_TRACKING_URI
     from mla.training.config import TrainConfig
 
@@ -33,6 +41,9 @@ def load_schema() -> dict:
     for key in ("weight_decay", "seed"):
         props["train"]["properties"][key]["default"] = getattr(TrainConfig, key)
     props["mlflow"]["properties"]["experiment"]["default"] = TrainConfig.experiment
+    evaluate = props["evaluate"]["properties"]
+    for key in EVALUATE_DEFAULTS_FROM_CLI:
+        evaluate[key]["default"] = getattr(EvalOptions, key)
     props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
     return schema
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 import json
 from pathlib import Path
 
@@ -32,6 +33,8 @@ error (`*_stderr`). MLflow: --run-json (run.json of `mla train`) or --run-id, or
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mla.evaluation.report import EvalOptions as D   # the defaults (torch-free)
+
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument("--model", required=True, help="checkpoint folder (Llama or MLA)")
@@ -41,53 +44,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="`mla data` folder: perplexity on its --split blocks")
     src.add_argument("--blocks", help=".npy token blocks [n, L] for perplexity (instead of --data)")
-    p.add_argument("--split", default="validation", help="split of --data (default: validation)")
+    p.add_argument("--split", default=D.split, help=f"split of --data (default {D.split})")
     p.add_argument("--max-blocks", type=int, help="evaluate N blocks, evenly spaced over the split")
-    p.add_argument("--ppl-batch-size", type=int, default=1, help="blocks per forward pass (default 1)")
+    p.add_argument("--ppl-batch-size", type=int, default=D.ppl_batch_size,
+                   help=f"blocks per forward pass (default {D.ppl_batch_size})")
     p.add_argument("--no-local-task", dest="local_task", action="store_false",
                    help="skip the offline lm-eval task mla_stdlib_next_line")
-    p.add_argument("--local-docs", type=int, default=200, help="documents of the local task (default 200)")
-    p.add_argument("--validation-fraction", type=float, default=0.05,
-                   help="held-out fraction used by `mla data` (picks the local task's files; default 0.05)")
-    p.add_argument("--paper-tasks", choices=("auto", "off"), default="auto",
+    p.add_argument("--local-docs", type=int, default=D.local_docs,
+                   help=f"documents of the local task (default {D.local_docs})")
+    p.add_argument("--validation-fraction", type=float, default=D.validation_fraction,
+                   help=f"held-out fraction used by `mla data` (picks the local task's files; default "
+                        f"{D.validation_fraction})")
+    p.add_argument("--paper-tasks", choices=("auto", "off"), default=D.paper_tasks,
                    help="the paper's six Hub tasks: auto = run when the Hub is reachable (default), off")
     p.add_argument("--paper-limit", type=int, help="at most N documents per paper task (smoke runs)")
-    p.add_argument("--lm-eval-batch-size", type=int, default=8)
-    p.add_argument("--mmlu", type=int, default=0, metavar="N",
+    p.add_argument("--lm-eval-batch-size", type=int, default=D.lm_eval_batch_size)
+    p.add_argument("--mmlu", type=int, default=D.mmlu, metavar="N",
                    help="MMLU cloze on N test questions stratified by subject (0 = off, default; "
                         "14042 or more = all)")
-    p.add_argument("--mmlu-seed", type=int, default=1234, help="seed of the MMLU sample (default 1234)")
+    p.add_argument("--mmlu-seed", type=int, default=D.mmlu_seed, help=f"seed of the MMLU sample (default {D.mmlu_seed})")
     p.add_argument("--prefetched", metavar="MANIFEST",
                    help="manifest.json of `mla prefetch`: the paper tasks' documents come from the folder it "
                         "names (for jobs on nodes without internet, run with HF_HUB_OFFLINE=1)")
-    p.add_argument("--kv-batch", type=int, default=2, help="batch of the KV-bytes generate (default 2)")
-    p.add_argument("--kv-new-tokens", type=int, default=8, help="tokens generated for the KV-bytes check")
+    p.add_argument("--kv-batch", type=int, default=D.kv_batch, help=f"batch of the KV-bytes generate (default {D.kv_batch})")
+    p.add_argument("--kv-new-tokens", type=int, default=D.kv_new_tokens,
+                   help=f"tokens generated for the KV-bytes check (default {D.kv_new_tokens})")
     q = p.add_argument_group("quantized KV cache (paper Table 2; mla/evaluation/kv_quant.py)")
     q.add_argument("--kv-bits", default="none",
                    help="cache bit widths to measure, e.g. 16,8,4,2 (16 = unquantized; 'none' = skip, default): "
                         "bytes held after generate, held-out loss decoded against the cache, and (MLA) decode "
                         "speed with the 4-bit (else the smallest) cache")
-    q.add_argument("--kv-group-size", type=int, default=64, help="channels per scale and zero point (default 64)")
-    q.add_argument("--kv-residual", type=int, default=128,
-                   help="newest tokens kept in full precision (default 128)")
-    q.add_argument("--kv-scored", type=int, default=32,
-                   help="tokens decoded one at a time at the end of each held-out block (default 32)")
-    q.add_argument("--kv-blocks", type=int, default=16, help="held-out blocks for the cache losses (default 16)")
+    q.add_argument("--kv-group-size", type=int, default=D.kv_group_size,
+                   help=f"channels per scale and zero point (default {D.kv_group_size})")
+    q.add_argument("--kv-residual", type=int, default=D.kv_residual,
+                   help=f"newest tokens kept in full precision (default {D.kv_residual})")
+    q.add_argument("--kv-scored", type=int, default=D.kv_scored,
+                   help=f"tokens decoded one at a time at the end of each held-out block (default {D.kv_scored})")
+    q.add_argument("--kv-blocks", type=int, default=D.kv_blocks,
+                   help=f"held-out blocks for the cache losses (default {D.kv_blocks})")
     lc = p.add_argument_group("long context")
     lc.add_argument("--needle", default="none", metavar="LENGTHS",
                     help="pass-key retrieval at these prompt lengths in tokens, e.g. 256,512 (offline, "
                          "mla/evaluation/needle.py; with --kv-bits also with each quantized cache); none = skip")
-    lc.add_argument("--needle-samples", type=int, default=10, help="pass keys per length (default 10)")
-    lc.add_argument("--needle-seed", type=int, default=0)
-    lc.add_argument("--longbench", choices=("auto", "off"), default="off",
+    lc.add_argument("--needle-samples", type=int, default=D.needle_samples,
+                    help=f"pass keys per length (default {D.needle_samples})")
+    lc.add_argument("--needle-seed", type=int, default=D.needle_seed)
+    lc.add_argument("--longbench", choices=("auto", "off"), default=D.longbench,
                     help="the paper's 16 English LongBench tasks through lm-eval: auto = when the Hub is "
                          "reachable (skipped with the reason offline); off (default)")
     lc.add_argument("--longbench-limit", type=int, help="at most N documents per LongBench task")
     lc.add_argument("--longbench-max-length", type=int,
                     help="prompt window in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--decode-grid", default="1x256,4x1024",
+    p.add_argument("--decode-grid", default=",".join(f"{b}x{c}" for b, c in D().decode_grid),
                    help="BATCHxCONTEXT list for decode speed, e.g. 1x256,8x4096; 'none' to skip")
-    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per grid point")
+    p.add_argument("--decode-steps", type=int, default=D.decode_steps,
+                   help=f"timed decode steps per grid point (default {D.decode_steps})")
     p.add_argument("--original", help="original checkpoint to time against an MLA model (default: a "
                                       "random-weight Llama of the same shapes; speed does not depend on weights)")
     p.add_argument("--device", default="auto",
@@ -232,17 +243,9 @@ def run(args) -> int:
     model = load_model(args.model, dtype=dtype).to(device).eval()
     print(f"evaluate: {args.model} on {devices.describe(device, dtype)}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    opts = EvalOptions(blocks=blocks, split=args.split, max_blocks=args.max_blocks,
-                       ppl_batch_size=args.ppl_batch_size, local_task=args.local_task, local_docs=args.local_docs,
-                       validation_fraction=args.validation_fraction, paper_tasks=args.paper_tasks,
-                       paper_limit=args.paper_limit, lm_eval_batch_size=args.lm_eval_batch_size,
-                       mmlu=args.mmlu, mmlu_seed=args.mmlu_seed,
-                       kv_batch=args.kv_batch, kv_new_tokens=args.kv_new_tokens, decode_grid=grid,
-                       decode_steps=args.decode_steps, original=args.original, kv_bits=kv_bits,
-                       kv_group_size=args.kv_group_size, kv_residual=args.kv_residual, kv_scored=args.kv_scored,
-                       kv_blocks=args.kv_blocks, needle_lengths=needle, needle_samples=args.needle_samples,
-                       needle_seed=args.needle_seed, longbench=args.longbench, longbench_limit=args.longbench_limit,
-                       longbench_max_length=args.longbench_max_length)
+    same_name = {f.name: getattr(args, f.name) for f in fields(EvalOptions) if hasattr(args, f.name)}
+    opts = EvalOptions(**{**same_name, "blocks": blocks, "decode_grid": grid, "kv_bits": kv_bits,
+                          "needle_lengths": needle})
     result = evaluate_model(model, tokenizer, opts, checkpoint=args.model, variant=args.variant)
     path = write_json(result, args.out)
     print(f"evaluate: wrote {path}")
