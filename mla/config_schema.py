@@ -77,6 +77,53 @@ def schema_problems(cfg: dict) -> list[tuple[str, str]]:
     return [(dotted_key(e.absolute_path), e.message) for e in errors]
 
 
+def config_problems(cfg: dict) -> list[tuple[str, str]]:
+    """Fill `cfg`'s defaults in place; (dotted key, message) for every schema violation, else for every
+    cross-reference the schema cannot express."""
+    return schema_problems(cfg) or _cross_reference_problems(cfg)
+
+
+def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
+    """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
+    data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
+    from mla import study
+    from mla.budgets import budget_errors
+    from mla.kvcache import workflow_errors as kv_group_errors
+    from mla.training.config import workflow_train_error
+    from mla.training.memory import memory_errors
+
+    errors = []
+    models = cfg["models"]
+    for name, model in models.items():
+        if model["source"] == "mha-from-gqa":
+            parent, seen = model["from"], {name}
+            if parent not in models:
+                errors.append((f"models.{name}.from", f"'{parent}' is not a key of models"))
+                continue
+            while models.get(parent, {}).get("source") == "mha-from-gqa" and parent not in seen:
+                seen.add(parent)
+                parent = models[parent].get("from")
+            if parent in seen:
+                errors.append((f"models.{name}.from", "derivation loop: the chain of `from` comes back to a model"))
+    for ename, exp in cfg["experiments"].items():
+        if exp["model"] not in models:
+            errors.append((f"experiments.{ename}.model", f"'{exp['model']}' is not a key of models"))
+    errors += study.variant_errors(cfg)
+    if errors:
+        return errors
+    for v in study.all_variants(cfg):
+        exp = cfg["experiments"][v.experiment]
+        where = (f"experiments.{v.experiment}.overrides.{v.name}" if v.name in exp["overrides"]
+                 else f"experiments.{v.experiment}.train" if exp["train"] else "train")
+        message = workflow_train_error(v.train)
+        if message:
+            errors.append((where, message))
+    for check in (budget_errors, memory_errors, kv_group_errors):
+        if not errors:
+            errors += check(cfg)
+    return list(dict.fromkeys(errors))  # one message per key
+
+
 def validated(cfg: dict) -> dict:
     """A copy of `cfg` with its defaults filled in; ValueError naming every bad key if it breaks the schema."""
     cfg = copy.deepcopy(cfg)

@@ -180,6 +180,32 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+# the workflow's `train` keys (config.yaml) that are `mla train` options under another name
+WORKFLOW_NAMES = {"batch_size": "global_batch", "micro_batch_size": "micro_batch", "max_grad_norm": "clip",
+                  "offload_optimizer": "offload"}
+
+
+def workflow_options(train: dict) -> dict:
+    """The `mla train` options (TrainConfig fields) of a workflow `train` block; keys that only the workflow
+    reads (gpu_memory_gb) are left out."""
+    names = set(TrainConfig.field_names())
+    options = {WORKFLOW_NAMES.get(k, k): v for k, v in train.items() if WORKFLOW_NAMES.get(k, k) in names}
+    options["device"] = "cuda" if train["device"] == "gpu" else "cpu"
+    return options
+
+
+def workflow_train_error(train: dict) -> str | None:
+    """The message `mla train` would stop with for a workflow `train` block (None: it would start), so that
+    a bad recipe stops the workflow before any job, checked by the same code."""
+    cfg = TrainConfig(model="-", data="-", out="-", **workflow_options(train))
+    cfg.world_size = cfg.nproc * cfg.nodes
+    try:
+        resolve(cfg)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def _check_deepspeed_override(path: Path) -> None:
     if not path.is_file():
         raise UserError(f"DeepSpeed override file {path} does not exist")

@@ -9,10 +9,9 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from mla import budgets, study
-from mla.budgets import budget_errors
-from mla.config_schema import schema_problems
-from mla.kvcache import group_size_for, workflow_errors as kv_group_errors
-from mla.training.memory import memory_errors
+from mla.config_schema import config_problems
+from mla.kvcache import group_size_for
+from mla.training.config import workflow_options
 
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
 # SLURM jobs (which rerun Snakemake inside the job) use the same environment.
@@ -21,54 +20,9 @@ MLA = f"{PYTHON} -m mla"
 
 
 # ---------------------------------------------------------------- config validation
-def _semantic_errors(cfg):
-    """Cross-references the schema cannot express."""
-    errors = []
-    models = cfg["models"]
-    for name, model in models.items():
-        if model["source"] == "mha-from-gqa":
-            parent = model["from"]
-            if parent not in models:
-                errors.append((f"models.{name}.from", f"'{parent}' is not a key of models"))
-            else:
-                seen = {name}
-                while models.get(parent, {}).get("source") == "mha-from-gqa" and parent not in seen:
-                    seen.add(parent)
-                    parent = models[parent].get("from")
-                if parent in seen:
-                    errors.append((f"models.{name}.from", "derivation loop: the chain of `from` comes back to a model"))
-    for ename, exp in cfg["experiments"].items():
-        if exp["model"] not in models:
-            errors.append((f"experiments.{ename}.model", f"'{exp['model']}' is not a key of models"))
-    errors += study.variant_errors(cfg)
-    if errors:
-        return errors
-    for v in study.all_variants(cfg):
-        t = v.train
-        exp = cfg["experiments"][v.experiment]
-        where = (f"experiments.{v.experiment}.overrides.{v.name}" if v.name in exp["overrides"]
-                 else f"experiments.{v.experiment}.train" if exp["train"] else "train")
-        ranks = t["nproc"] * t["nodes"]
-        if t["batch_size"] % (t["micro_batch_size"] * ranks):
-            errors.append((f"{where}.batch_size", f"{t['batch_size']} is not divisible by "
-                           f"micro_batch_size * nproc * nodes = {t['micro_batch_size'] * ranks}"))
-        if t["warmup_steps"] + t["decay_steps"] > t["steps"]:
-            errors.append((f"{where}.steps", f"warmup_steps + decay_steps = "
-                           f"{t['warmup_steps'] + t['decay_steps']} exceeds steps = {t['steps']}"))
-    if not errors:  # budgets are arithmetic on models and variants that exist
-        errors += budget_errors(cfg)
-    if not errors:  # every training job of a GPU config must fit train.gpu_memory_gb (mla.training.memory)
-        errors += memory_errors(cfg)
-    if not errors:  # the quantized cache's group size divides every variant's cached widths
-        errors += kv_group_errors(cfg)
-    return list(dict.fromkeys(errors))  # one message per key
-
-
 def check_config(cfg):
     """Validate `cfg` in place against the schema (filling defaults); stop with every bad key named."""
-    problems = schema_problems(cfg)
-    if not problems:
-        problems = _semantic_errors(cfg)
+    problems = config_problems(cfg)
     if problems:
         lines = "\n".join(f"  config key '{k}': {msg}" for k, msg in problems)
         raise WorkflowError(f"Invalid configuration ({len(problems)} problem(s)); nothing was run:\n{lines}")
@@ -191,18 +145,8 @@ def finetune_gres(wc):
 
 def finetune_args(wc):
     """The recipe and how it is launched (a run shared by variants takes the first one's launch settings)."""
-    t = _run(wc).train
-    args = [
-        "--steps", t["steps"], "--lr", t["lr"], "--warmup-steps", t["warmup_steps"],
-        "--decay-steps", t["decay_steps"], "--global-batch", t["batch_size"],
-        "--micro-batch", t["micro_batch_size"], "--weight-decay", t["weight_decay"],
-        "--clip", t["max_grad_norm"], "--seed", t["seed"], "--precision", t["precision"],
-        "--zero-stage", t["zero_stage"], "--offload", t["offload_optimizer"],
-        "--nproc", t["nproc"], "--nodes", t["nodes"], "--save-steps", t["save_steps"],
-        "--device", "cuda" if t["device"] == "gpu" else "cpu",
-        "--gradient-checkpointing", t["gradient_checkpointing"],
-    ]
-    return " ".join(shlex.quote(str(a)) for a in args)
+    options = workflow_options(_run(wc).train)
+    return " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in options.items())
 
 
 # ---------------------------------------------------------------- evaluate rules
