@@ -10,6 +10,7 @@ from snakemake.exceptions import WorkflowError
 
 from mla import budgets, study
 from mla.config_schema import config_problems
+from mla.evaluation import mmlu
 from mla.kvcache import group_size_for
 from mla.training.config import workflow_options
 
@@ -163,7 +164,7 @@ def evaluate_args(wc):
     if e["paper_limit"] is not None:
         args += ["--paper-limit", e["paper_limit"]]
     if e["mmlu"] != 0:   # null: all of MMLU's test split
-        args += ["--mmlu", e["mmlu"] or MMLU_QUESTIONS, "--mmlu-seed", e["mmlu_seed"]]
+        args += ["--mmlu", e["mmlu"] or mmlu.TOTAL_QUESTIONS, "--mmlu-seed", e["mmlu_seed"]]
     if e["kv_bits"]:
         args += ["--kv-bits", ",".join(map(str, e["kv_bits"])), "--kv-group-size", group_size_for(e, wc.model),
                  "--kv-residual", e["kv_residual"], "--kv-scored", e["kv_scored"], "--kv-blocks", e["kv_blocks"]]
@@ -181,7 +182,6 @@ def evaluate_args(wc):
 # Evaluation data is fetched by a local rule on the submitting host; the evaluation jobs run offline
 # (compute nodes of many clusters have no internet), reading what it fetched.
 PREFETCH_MANIFEST = "results/evaluation-data/manifest.json"
-MMLU_QUESTIONS = 14042
 EVALUATE_ENV = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"
 
 
