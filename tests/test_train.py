@@ -130,6 +130,7 @@ def test_missing_inputs_and_config_file(inputs, tmp_path, capsys):
 
 
 def test_options_come_from_defaults_then_the_config_file_then_the_flags(tmp_path):
+    from mla.errors import UserError
     from mla.training.config import TrainConfig, parse_options
 
     cfg_file = tmp_path / "c.yaml"
@@ -141,6 +142,9 @@ def test_options_come_from_defaults_then_the_config_file_then_the_flags(tmp_path
     assert (cfg.zero_stage, cfg.offload, cfg.mlflow, cfg.seed) == (2, True, False, TrainConfig.seed)
     assert cfg.tag_mapping() == {"a": "1", "b": "2"}
     assert (cfg.warmup_steps, cfg.decay_steps) == (5, 10)  # resolved: 5 % and 10 % of the steps
+    cfg_file.write_text("model: m\ndata: d\nout: o\nsteps: many\n")
+    with pytest.raises(UserError, match=r"config file .*c.yaml: argument --steps: invalid int value: 'many'"):
+        parse_options(["--config", str(cfg_file)])
 
 
 def test_deepspeed_config_is_explicit_where_it_matters(tmp_path):

@@ -3,6 +3,7 @@ checked before any work (no model is loaded and no process started for a bad con
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -96,7 +97,7 @@ def option_parser():
     `--warmup_steps` alike; booleans as `--offload [BOOL]`, `--no-mlflow`)."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(TrainConfig, add_help=False)
+    parser = HfArgumentParser(TrainConfig, add_help=False, prog="mla train", exit_on_error=False)
     parser.add_argument("--config", help="YAML/JSON file with any of these options ('_' or '-'); flags override it")
     return parser
 
@@ -117,7 +118,10 @@ def parse_options(argv: list[str], world_size: int | None = None) -> TrainConfig
     parser = option_parser()
     config_file = parser.parse_known_args(argv)[0].config
     parser.set_defaults(**(load_config_file(config_file) if config_file else {}))
-    cfg, _ = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)  # TrainConfig, the --config value
+    try:
+        cfg, _ = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)  # TrainConfig, --config
+    except argparse.ArgumentError as exc:  # flags were checked by the CLI: a value from the file is wrong
+        raise UserError(f"config file {config_file}: {exc}") from None
     cfg.world_size = world_size or cfg.nproc * cfg.nodes
     return resolve(cfg)
 
