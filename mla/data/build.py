@@ -17,6 +17,7 @@ the number of workers.
 
 from __future__ import annotations
 
+import csv
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import shutil
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -93,8 +95,8 @@ def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str |
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
             partial = out_dir.with_name(f".{out_dir.name}.partial")
-            manifest = _finished(partial, request)
-            if manifest is not None:  # killed between the last write and the rename
+            manifest = _load_if_same_request(partial / MANIFEST, request)
+            if manifest is not None:  # a complete build, killed between the last write and the rename
                 log(f"{out_dir}: moving the finished build from {partial} into place")
             else:
                 state = _resumable_state(partial, request, log)
@@ -141,77 +143,66 @@ def _check_request(corpus, tokenizer_path, block_length, budgets, fraction, work
     return corpus_name, sources
 
 
-class _exclusive:
+@contextmanager
+def _exclusive(out: Path):
     """An advisory lock next to `out`: two builds of one folder at once would corrupt each other."""
-
-    def __init__(self, out: Path):
-        self.path = out.with_name(f".{out.name}.lock")
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise UserError(f"another `mla data` is building {self.path.with_name(self.path.name[1:-5])} "
-                            "right now") from None
-        return self
-
-    def __exit__(self, *exc):
-        self.path.unlink(missing_ok=True)
-        os.close(self.fd)  # releases the lock (a killed process releases it too)
-
-
-def _finished(partial: Path, request: DataRequest) -> dict | None:
-    """The manifest of a complete build of the same request still in its partial folder."""
+    path = out.with_name(f".{out.name}.lock")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        manifest = json.loads((partial / MANIFEST).read_text())
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"another `mla data` is building {out} right now") from None
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)  # releases the lock (a killed process releases it too)
+
+
+def _load_if_same_request(path: Path, request: DataRequest) -> dict | None:
+    """The JSON record at `path` if it was written for this very request (None if missing or unreadable)."""
+    try:
+        saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return manifest if manifest.get("request") == asdict(request) else None
+    return saved if saved.get("request") == asdict(request) else None
 
 
 def _resumable_state(partial: Path, request: DataRequest, log) -> dict | None:
     """The last checkpoint of an interrupted build of the same request; anything else is removed."""
     if not partial.exists():
         return None
-    try:
-        state = json.loads((partial / STATE).read_text())
-    except (OSError, ValueError):
-        state = None
-    if state is not None and state.get("request") == asdict(request):
-        return state
-    log(f"removing {partial}: an interrupted build of another request, or one without a checkpoint")
-    shutil.rmtree(partial)
-    return None
+    state = _load_if_same_request(partial / STATE, request)
+    if state is None:
+        log(f"removing {partial}: an interrupted build of another request, or one without a checkpoint")
+        shutil.rmtree(partial)
+    return state
 
 
 class _Build:
     def __init__(self, request, sources, readers, pool, tokenizer_path, info, budgets, partial, state,
                  checkpoint_tokens, log, on_checkpoint=None):
         self.request, self.readers, self.pool = request, readers, pool
-        workers = pool.workers
         self.names = [s.name for s in sources]
         self.tokenizer_path, self.info = tokenizer_path, info
-        self.partial, self.workers, self.checkpoint_tokens, self.log = partial, workers, checkpoint_tokens, log
-        self.on_checkpoint = on_checkpoint
-        self.fraction = request.validation_fraction
-        weights = [s.weight for s in sources]
+        self.partial, self.state, self.checkpoint_tokens = partial, state, checkpoint_tokens
+        self.log, self.on_checkpoint = log, on_checkpoint
         if state is None:
             length = request.block_length  # a budget is met in whole blocks
+            weights = [s.weight for s in sources]
             self.plans = {s: SplitPlan(self.names, weights, None if b is None else b // length * length)
                           for s, b in budgets.items()}
             self.checkpoints, self.positions, self.exhausted = 0, dict.fromkeys(self.names, 0), set()
             self.skipped = {n: dict.fromkeys(SPLITS, 0) for n in self.names}
             self.tokens_cut = dict.fromkeys(SPLITS, 0)
-            self.blobs_missing = dict.fromkeys(self.names, 0)
+            self.blobs_before = dict.fromkeys(self.names, 0)
         else:
             self.plans = {s: SplitPlan(**state["plans"][s]) for s in SPLITS}
             self.checkpoints, self.positions = state["checkpoints"], state["positions"]
             self.exhausted = set(state["exhausted"])
             self.skipped, self.tokens_cut = state["skipped"], state["tokens_cut"]
-            self.blobs_missing = state["blobs_missing"]
-        self.state = state
+            self.blobs_before = state["blobs_missing"]  # the readers count only the blobs they miss themselves
         self.queues = {n: {s: deque() for s in SPLITS} for n in self.names}
         self.queued = {n: dict.fromkeys(SPLITS, 0) for n in self.names}
         self.writers = {s: SplitWriter(partial, s, info.dtype) for s in SPLITS}
@@ -228,8 +219,8 @@ class _Build:
         self.streams = {}
         try:
             for n in self.names:
-                self.streams[n] = TokenizedStream(n, self.readers[n], self.pool, self.fraction, self._wanted,
-                                                  start=self.positions[n])
+                self.streams[n] = TokenizedStream(n, self.readers[n], self.pool, self.request.validation_fraction,
+                                                  self._wanted, start=self.positions[n])
                 self.streams[n].exhausted = n in self.exhausted
             self._open_outputs()
             self._mix()
@@ -250,20 +241,26 @@ class _Build:
             w.open(self.state["writers"][s])
         queues = np.load(self.partial / self.state["queues"])
         for entry in self.state["queued"]:
-            ids = queues[entry["array"]]
-            ends = np.cumsum(entry["lengths"])
-            for (position, key), end, length in zip(entry["documents"], ends, entry["lengths"]):
-                self._enqueue(entry["source"], Doc(position, key, entry["split"], ids[end - length:end]))
-        done = {s: self.plans[s].written for s in SPLITS}
+            ids = np.split(queues[entry["array"]], np.cumsum(entry["lengths"])[:-1])
+            for (position, key), doc_ids in zip(entry["documents"], ids):
+                self._enqueue(entry["source"], Doc(position, key, entry["split"], doc_ids))
         self.log(f"resuming from checkpoint {self.checkpoints}: "
-                 + ", ".join(f"{s} {done[s]:,} tokens" for s in SPLITS))
+                 + ", ".join(f"{s} {self.plans[s].written:,} tokens" for s in SPLITS))
 
     def _wanted(self, split: str) -> bool:
         return not self.plans[split].done
 
+    def _open_splits(self) -> list[str]:
+        return [s for s in SPLITS if not self.plans[s].done]
+
     def _enqueue(self, name: str, doc: Doc) -> None:
         self.queues[name][doc.split].append(doc)
         self.queued[name][doc.split] += len(doc.ids)
+
+    def _dequeue(self, name: str, split: str) -> Doc:
+        doc = self.queues[name][split].popleft()
+        self.queued[name][split] -= len(doc.ids)
+        return doc
 
     def _choose(self, split: str) -> int | None:
         """The source the split takes next; sources with nothing left for it are marked dry."""
@@ -282,41 +279,42 @@ class _Build:
                          f"the other sources fill its share")
 
     def _mix(self) -> None:
-        while True:
-            active = [s for s in SPLITS if not self.plans[s].done]
-            if not active:
-                return
-            progressed = False
-            for s in active:  # first take what earlier reads queued
-                i = self._choose(s)
-                if i is not None and self.queues[self.names[i]][s]:
-                    doc = self.queues[self.names[i]][s].popleft()
-                    self.queued[self.names[i]][s] -= len(doc.ids)
-                    self._write(s, i, doc)
-                    progressed = True
-            if progressed:
+        while self._open_splits():
+            if self._take_queued():
                 continue
-            active = [s for s in active if not self.plans[s].done]
-            if not active:
-                return
             # Train drives the reading while it takes documents: validation is the small split and gets
             # its documents as a by-product (1 in 1/fraction), so no train document waits for a held-out one.
-            split = active[0]
+            open_splits = self._open_splits()  # choosing may have marked a split's last sources dry
+            if open_splits:
+                self._read(open_splits[0])
+
+    def _take_queued(self) -> bool:
+        """Every open split writes its next document if earlier reads queued it; False if none could."""
+        took = False
+        for split in self._open_splits():
             i = self._choose(split)
-            if i is None:
-                continue
-            name = self.names[i]
-            doc = self.streams[name].next()
-            self.positions[name] = self.streams[name].position
-            if doc is None:
-                self.exhausted.add(name)
-                continue
-            if self.plans[doc.split].done:
-                continue
-            if doc.split != split and self.queued[name][doc.split] + len(doc.ids) > QUEUE_TOKENS:
-                self.skipped[name][doc.split] += 1  # bounded memory: this document is never used
-                continue
-            self._enqueue(name, doc)
+            if i is not None and self.queues[self.names[i]][split]:
+                self._write(split, i, self._dequeue(self.names[i], split))
+                took = True
+        return took
+
+    def _read(self, split: str) -> None:
+        """Read one document from the source `split` takes next and queue it for the split it belongs to."""
+        i = self._choose(split)
+        if i is None:
+            return
+        name = self.names[i]
+        doc = self.streams[name].next()
+        self.positions[name] = self.streams[name].position
+        if doc is None:
+            self.exhausted.add(name)
+            return
+        if self.plans[doc.split].done:
+            return
+        if doc.split != split and self.queued[name][doc.split] + len(doc.ids) > QUEUE_TOKENS:
+            self.skipped[name][doc.split] += 1  # bounded memory: this document is never used
+            return
+        self._enqueue(name, doc)
 
     def _write(self, split: str, i: int, doc: Doc) -> None:
         plan, ids = self.plans[split], doc.ids
@@ -338,6 +336,23 @@ class _Build:
         """Sync the outputs, then atomically record where every stream and split stands."""
         sizes = {s: w.sync() for s, w in self.writers.items()}
         self.checkpoints += 1
+        queues_file, queued = self._save_queues()
+        state = {"request": asdict(self.request), "checkpoints": self.checkpoints, "writers": sizes,
+                 "plans": {s: p.state() for s, p in self.plans.items()}, "positions": self.positions,
+                 "exhausted": sorted(self.exhausted), "skipped": self.skipped, "tokens_cut": self.tokens_cut,
+                 "blobs_missing": self._blobs_missing(), "queues": queues_file, "queued": queued}
+        atomic.write_json(self.partial / STATE, state, indent=None)
+        for old in self.partial.glob("queues-*.npz"):
+            if old.name != queues_file:
+                old.unlink()
+        self.since_checkpoint = 0
+        if self.checkpoints > 1:
+            self._progress()
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.checkpoints)
+
+    def _save_queues(self) -> tuple[str, list[dict]]:
+        """Write the queued documents' ids to this checkpoint's (synced) .npz; its name and the index of it."""
         arrays, queued = {}, []
         for n in self.names:
             for s in SPLITS:
@@ -352,25 +367,11 @@ class _Build:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        for n, reader in self.readers.items():
-            self.blobs_missing[n] = getattr(reader, "blobs_missing", 0) + self._blobs_before(n)
-        state = {"request": asdict(self.request), "checkpoints": self.checkpoints, "writers": sizes,
-                 "plans": {s: p.state() for s, p in self.plans.items()}, "positions": self.positions,
-                 "exhausted": sorted(self.exhausted), "skipped": self.skipped, "tokens_cut": self.tokens_cut,
-                 "blobs_missing": self.blobs_missing, "queues": queues_file, "queued": queued}
-        atomic.write_json(self.partial / STATE, state, indent=None)
-        for old in self.partial.glob("queues-*.npz"):
-            if old.name != queues_file:
-                old.unlink()
-        self.since_checkpoint = 0
-        if self.checkpoints > 1:
-            self._progress()
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(self.checkpoints)
+        return queues_file, queued
 
-    def _blobs_before(self, name: str) -> int:
-        """Blobs found missing before a resume (the reader counts only its own)."""
-        return (self.state or {}).get("blobs_missing", {}).get(name, 0)
+    def _blobs_missing(self) -> dict[str, int]:
+        """Blobs found missing per source, those of the runs before a resume included."""
+        return {n: self.blobs_before[n] + getattr(reader, "blobs_missing", 0) for n, reader in self.readers.items()}
 
     def _progress(self) -> None:
         self.last_log = time.time()
@@ -378,77 +379,75 @@ class _Build:
         rate = new / max(self.last_log - self.started, 1e-9)
         self.log("progress: " + ", ".join(
             f"{s} {p.written:,}" + (f"/{p.budget:,}" if p.budget else "") for s, p in self.plans.items())
-            + f" tokens; {rate:,.0f} tokens/s with {self.workers} workers")
+            + f" tokens; {rate:,.0f} tokens/s with {self.pool.workers} workers")
 
     # -------------------------------------------------------------------------------- the end
 
     def _finish(self) -> dict:
-        L = self.request.block_length
-        splits, warnings = {}, []
-        for s in SPLITS:
-            plan, writer = self.plans[s], self.writers[s]
-            n_blocks, dropped = writer.finish(L)
-            if n_blocks == 0:
-                raise UserError(f"the {s} split has fewer than {L} tokens (the corpus ran dry); lower the block "
-                                f"length or raise --validation-fraction, or use a larger corpus")
-            shares = plan.shares()
-            sources = {}
-            for i, n in enumerate(self.names):
-                sources[n] = {"documents": plan.documents[i], "tokens": plan.tokens[i], **shares[n]}
-            kept = n_blocks * L
-            if dropped:  # the tail beyond the last full block no longer counts for its source
-                self._drop_tail(s, sources, kept)
-            for n, entry in sources.items():
-                entry["share"] = round(entry["tokens"] / kept, 6)
-            if plan.budget is not None and kept < plan.budget:
-                warnings.append(f"the {s} split holds {kept:,} tokens, not the {plan.budget:,} asked: "
-                                f"every source ran dry")
-            for n, entry in sources.items():
-                off = abs(entry["share"] - entry["configured_share"]) > 0.01
-                if plan.budget is not None and entry["ran_dry"] and off:
-                    warnings.append(f"the {s} split's share of source {n} is {entry['share']:.3f}, not the "
-                                    f"configured {entry['configured_share']:.3f}: it ran dry")
-            splits[s] = {"file": writer.tokens_path.name, "documents_file": writer.documents_path.name,
-                         "n_blocks": int(n_blocks), "tokens": int(kept), "budget_tokens": plan.budget,
-                         "tokens_dropped": int(dropped), "tokens_cut": int(self.tokens_cut[s]),
-                         "documents": int(sum(e["documents"] for e in sources.values())),
-                         "sources": sources, "sha256": sha256_of(writer.tokens_path),
-                         "documents_sha256": sha256_of(writer.documents_path)}
-            self.log(f"{s}: {n_blocks:,} blocks x {L} tokens from "
-                     + ", ".join(f"{n} {e['documents']:,} docs/{e['tokens']:,} tokens ({e['share']:.3f} of "
-                                 f"{e['configured_share']:.3f})" for n, e in sources.items()))
+        warnings = []
+        splits = {s: self._finish_split(s, warnings) for s in SPLITS}
         for line in warnings:
             self.log(f"warning: {line}")
-        for n, reader in self.readers.items():
-            self.blobs_missing[n] = getattr(reader, "blobs_missing", 0) + self._blobs_before(n)
+        blobs_missing = self._blobs_missing()
         manifest = {
             "request": asdict(self.request),
             "corpus": self.request.corpus,
             "tokenizer": str(self.tokenizer_path.resolve()),
-            "block_length": L,
+            "block_length": self.request.block_length,
             "eos_token_id": self.info.eos,
             "vocab_size": self.info.vocab_size,
             "dtype": self.info.dtype,
             "splits": splits,
             "sources": {n: {"documents_read": self.positions[n], "exhausted": n in self.exhausted,
-                            "documents_skipped": self.skipped[n], "blobs_missing": self.blobs_missing[n]}
+                            "documents_skipped": self.skipped[n], "blobs_missing": blobs_missing[n]}
                         for n in self.names},
             "warnings": warnings,
-            "workers": self.workers,
+            "workers": self.pool.workers,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "python": sys.version.split()[0],
         }
         for leftover in [self.partial / STATE, *self.partial.glob("queues-*.npz")]:
             leftover.unlink()
-        (self.partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        atomic.write_json(self.partial / MANIFEST, manifest)
         return manifest
+
+    def _finish_split(self, split: str, warnings: list[str]) -> dict:
+        """Cut the split's files to whole blocks; its manifest entry (its warnings are appended to `warnings`)."""
+        L = self.request.block_length
+        plan, writer = self.plans[split], self.writers[split]
+        n_blocks, dropped = writer.finish(L)
+        if n_blocks == 0:
+            raise UserError(f"the {split} split has fewer than {L} tokens (the corpus ran dry); lower the block "
+                            f"length or raise --validation-fraction, or use a larger corpus")
+        kept = n_blocks * L
+        shares = plan.shares()
+        sources = {n: {"documents": plan.documents[i], "tokens": plan.tokens[i], **shares[n]}
+                   for i, n in enumerate(self.names)}
+        if dropped:  # the tail beyond the last full block no longer counts for its source
+            self._drop_tail(split, sources, kept)
+        if plan.budget is not None and kept < plan.budget:
+            warnings.append(f"the {split} split holds {kept:,} tokens, not the {plan.budget:,} asked: "
+                            f"every source ran dry")
+        for n, entry in sources.items():
+            entry["share"] = round(entry["tokens"] / kept, 6)
+            off = abs(entry["share"] - entry["configured_share"]) > 0.01
+            if plan.budget is not None and entry["ran_dry"] and off:
+                warnings.append(f"the {split} split's share of source {n} is {entry['share']:.3f}, not the "
+                                f"configured {entry['configured_share']:.3f}: it ran dry")
+        self.log(f"{split}: {n_blocks:,} blocks x {L} tokens from "
+                 + ", ".join(f"{n} {e['documents']:,} docs/{e['tokens']:,} tokens ({e['share']:.3f} of "
+                             f"{e['configured_share']:.3f})" for n, e in sources.items()))
+        return {"file": writer.tokens_path.name, "documents_file": writer.documents_path.name,
+                "n_blocks": int(n_blocks), "tokens": int(kept), "budget_tokens": plan.budget,
+                "tokens_dropped": int(dropped), "tokens_cut": int(self.tokens_cut[split]),
+                "documents": int(sum(e["documents"] for e in sources.values())),
+                "sources": sources, "sha256": sha256_of(writer.tokens_path),
+                "documents_sha256": sha256_of(writer.documents_path)}
 
     def _drop_tail(self, split: str, sources: dict, kept: int) -> None:
         """Subtract the tokens past `kept` (the tail that fills no block) from their documents' sources.
 
         Only a split that ran dry has such a tail; its TSV is streamed once (constant memory)."""
-        import csv
-
         with open(self.writers[split].documents_path, newline="") as f:
             for row in csv.DictReader(f, delimiter="\t"):
                 offset, tokens = int(row["offset"]), int(row["tokens"])

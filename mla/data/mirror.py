@@ -21,7 +21,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from mla.data.readers import _stdlib_files
+from mla.data.readers import _read_text, _stdlib_files
 
 SMOLLM_CORPUS = "HuggingFaceTB/smollm-corpus"
 SMOLLM_CONFIGS = ("cosmopedia-v2", "fineweb-edu-dedup", "python-edu")
@@ -40,11 +40,8 @@ def _modules(limit: int = 400) -> list[tuple[str, str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in _stdlib_files(root):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if 200 < len(text):
+        text = _read_text(path)  # empty when unreadable
+        if len(text) > 200:
             out.append((str(path.relative_to(root)), text[:6000]))
         if len(out) >= limit:
             break
@@ -83,14 +80,15 @@ def write_smollm_mirror(root: str | Path, *, docs_per_source: int, seed: int = 0
     rng = random.Random(seed)
     n = docs_per_source
 
-    fineweb = [{"text": _prose(rng, paragraphs), "id": f"<urn:uuid:{rng.getrandbits(128):032x}>",
-                "metadata": {"dump": "CC-MAIN-2024-10", "url": f"https://example.org/doc/{i}", "date": "2024-02-21",
-                             "file_path": f"s3://commoncrawl/crawl-data/{i}.warc.gz", "language": "en",
-                             "language_score": round(rng.uniform(0.9, 1.0), 4), "token_count": 0,
-                             "score": round(rng.uniform(3.0, 5.0), 4), "int_score": 3}}
-               for i in range(n)]
-    for row in fineweb:
-        row["metadata"]["token_count"] = len(row["text"].split())
+    fineweb = []
+    for i in range(n):
+        text = _prose(rng, paragraphs)
+        fineweb.append({"text": text, "id": f"<urn:uuid:{rng.getrandbits(128):032x}>",
+                        "metadata": {"dump": "CC-MAIN-2024-10", "url": f"https://example.org/doc/{i}",
+                                     "date": "2024-02-21", "file_path": f"s3://commoncrawl/crawl-data/{i}.warc.gz",
+                                     "language": "en", "language_score": round(rng.uniform(0.9, 1.0), 4),
+                                     "token_count": len(text.split()), "score": round(rng.uniform(3.0, 5.0), 4),
+                                     "int_score": 3}})
     cosmopedia = []
     for _ in range(n):
         seed_text = rng.choice(paragraphs)

@@ -42,6 +42,18 @@ def _stdlib_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
+def _read_text(path: Path, errors: str = "strict") -> str:
+    """The file's UTF-8 text; empty when it cannot be read or (errors="strict") decoded."""
+    try:
+        return path.read_text(encoding="utf-8", errors=errors)
+    except (UnicodeDecodeError, OSError):
+        return ""
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
 class LocalReader:
     """Documents known up front by key; visited in a seeded permutation of the sorted keys."""
 
@@ -94,19 +106,24 @@ class FileTree(LocalReader):
 
     default_root: str = "."
     default_glob: str = "**/*.txt"
+    decode_errors: str = "replace"
 
     @property
     def root(self) -> Path:
         return Path(self.source.options.get("root") or self.default_root)
 
+    @property
+    def glob(self) -> str:
+        return self.source.options.get("glob", self.default_glob)
+
     def _where(self) -> str:
-        return f" under {self.root} matching {self.source.options.get('glob', self.default_glob)!r}"
+        return f" under {self.root} matching {self.glob!r}"
 
     def missing_root(self) -> str:
         return f"source {self.source.name!r} ({self.source.kind}): folder {self.root} does not exist"
 
     def files(self) -> list[Path]:
-        return [p for p in self.root.glob(self.source.options.get("glob", self.default_glob)) if p.is_file()]
+        return [p for p in self.root.glob(self.glob) if p.is_file()]
 
     def keys(self):
         if not self.root.is_dir():
@@ -114,10 +131,7 @@ class FileTree(LocalReader):
         return [str(p.relative_to(self.root)) for p in self.files()]
 
     def text(self, key):
-        try:
-            return (self.root / key).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
+        return _read_text(self.root / key, self.decode_errors)
 
 
 class PythonDocs(FileTree):
@@ -134,18 +148,11 @@ class PythonDocs(FileTree):
 class PythonStdlib(FileTree):
     """The standard library's .py files (tests and site-packages excluded): code."""
 
-    @property
-    def root(self) -> Path:
-        return Path(self.source.options.get("root") or sysconfig.get_paths()["stdlib"])
+    default_root = sysconfig.get_paths()["stdlib"]
+    decode_errors = "strict"  # a module that is not valid UTF-8 is skipped, not read with replacement characters
 
     def files(self):
         return _stdlib_files(self.root)
-
-    def text(self, key):
-        try:
-            return (self.root / key).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            return ""
 
 
 # ---------------------------------------------------------------------------------------------- Hub
@@ -157,13 +164,17 @@ def hub_location(path: str) -> str:
     return str(Path(mirror) / path) if mirror else path
 
 
-def fetch_blob(blob_id: str, base_url: str | None = None, attempts: int = 3) -> str | None:
-    """Text of a Software Heritage blob (a gzip object at ``<base>/<blob_id>``); None if it does not exist."""
+def swh_content_url() -> str:
+    """Where python-edu's blobs are: the Software Heritage bucket, or MLA_SWH_CONTENT_URL's stand-in."""
+    return os.environ.get("MLA_SWH_CONTENT_URL") or SWH_CONTENT_URL
+
+
+def fetch_blob(blob_id: str, attempts: int = 3) -> str | None:
+    """Text of a Software Heritage blob (a gzip object under `swh_content_url()`); None if it does not exist."""
     import urllib.error
     import urllib.request
 
-    base = (base_url or os.environ.get("MLA_SWH_CONTENT_URL") or SWH_CONTENT_URL).rstrip("/")
-    url = f"{base}/{blob_id}"
+    url = f"{swh_content_url().rstrip('/')}/{blob_id}"
     for attempt in range(attempts):
         try:
             with urllib.request.urlopen(url, timeout=60) as response:  # noqa: S310 (configured content host)
@@ -206,8 +217,7 @@ class HubReader:
             return datasets.load_dataset(location, self.name, split=self.split, streaming=True)
         except Exception as exc:  # offline, unknown dataset or config, gated, ...
             where = f"the mirror {location}" if mirror else "the Hugging Face Hub"
-            message = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            raise UserError(f"cannot stream dataset {self.label} from {where} ({message}); offline, use a local "
+            raise UserError(f"cannot stream dataset {self.label} from {where} ({_one_line(exc)}); offline, use a local "
                             f"corpus (pydoc-stdlib or a corpus file) or set MLA_HUB_DATASETS_MIRROR") from None
 
     def check(self) -> None:
@@ -218,13 +228,12 @@ class HubReader:
         except UserError:
             raise
         except Exception as exc:
-            message = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            raise UserError(f"cannot read dataset {self.label} ({message})") from None
+            raise UserError(f"cannot read dataset {self.label} ({_one_line(exc)})") from None
         if self.column not in first:
             raise UserError(f"dataset {self.label}: rows have no column {self.column!r} (columns: {sorted(first)})")
         if self.fetch == "softwareheritage" and fetch_blob(first[self.column]) is None:
             raise UserError(f"dataset {self.label}: blob {first[self.column]} of its first row is not at "
-                            f"{os.environ.get('MLA_SWH_CONTENT_URL') or SWH_CONTENT_URL} (MLA_SWH_CONTENT_URL)")
+                            f"{swh_content_url()} (MLA_SWH_CONTENT_URL)")
 
     def documents(self, start: int = 0) -> Iterator[tuple[str, str]]:
         stream = self._open()

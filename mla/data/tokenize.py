@@ -124,24 +124,20 @@ class TokenizedStream:
     """
 
     def __init__(self, name: str, reader, pool: TokenizerPool, fraction: float, wanted: Callable[[str], bool],
-                 start: int = 0, window: int | None = None):
+                 start: int = 0):
         self.name, self.pool, self.fraction, self.wanted = name, pool, fraction, wanted
-        self._reader = reader
-        self._documents = None
-        self._start = start
+        self._documents = reader.documents(start)  # a generator: nothing is read before the first batch
         self._next_position = start
         self.position = start            # documents before this one are consumed
         self.exhausted = False
-        self.window = window or pool.workers + 1
+        self.window = pool.workers + 1
         self._pending: deque = deque()   # (async result, [(position, key, split)])
         self._ready: deque = deque()
         self._read_all = False
         self._batch_chars = FIRST_BATCH_CHARS
 
-    def _submit(self) -> bool:
-        """Read and submit one batch; False once the source has no more documents."""
-        if self._documents is None:
-            self._documents = self._reader.documents(self._start)
+    def _submit(self) -> None:
+        """Read one batch of wanted documents and submit it (if it holds any)."""
         texts, meta, chars = [], [], 0
         while chars < self._batch_chars and len(texts) < BATCH_DOCS:
             try:
@@ -162,7 +158,6 @@ class TokenizedStream:
         if texts:
             self._pending.append((self.pool.submit(texts), meta))
             self._batch_chars = min(2 * self._batch_chars, BATCH_CHARS)
-        return bool(texts) or not self._read_all
 
     def _fill(self) -> None:
         while len(self._pending) < self.window and not self._read_all:
@@ -177,14 +172,12 @@ class TokenizedStream:
                 return None
             result, meta = self._pending.popleft()
             lengths, flat = result.get()
-            ends = np.cumsum(lengths)
-            for (position, key, split), end, length in zip(meta, ends, lengths):
-                self._ready.append(Doc(position, key, split, flat[end - length:end]))
+            for (position, key, split), ids in zip(meta, np.split(flat, np.cumsum(lengths)[:-1])):
+                self._ready.append(Doc(position, key, split, ids))
         doc = self._ready.popleft()
         self.position = doc.position + 1
         self._fill()  # keep the workers busy while the caller writes
         return doc
 
     def close(self) -> None:
-        if self._documents is not None:
-            self._documents.close()
+        self._documents.close()
