@@ -15,8 +15,7 @@ config check calls `budget_errors`; the data rule passes `train_tokens` / `valid
 from __future__ import annotations
 
 from mla import study
-
-DEFAULT_VALIDATION_TOKENS = 65536  # used only when the config has no data.validation_tokens key
+from mla.options import DEFAULT_VALIDATION_TOKENS
 
 
 def root_model(config: dict, model: str) -> str:

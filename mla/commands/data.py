@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mla.options import DEFAULT_VALIDATION_TOKENS
+
 HELP = "tokenize a corpus (default: Python docs + stdlib, offline) into packed train/validation blocks"
 
 EPILOG = """\
@@ -27,8 +29,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--train-tokens", type=int, default=None,
                         help="training tokens to write, split across sources by weight (default: until a local "
                              "corpus's first source runs dry; required for Hub corpora)")
-    parser.add_argument("--validation-tokens", type=int, default=None,
-                        help="held-out tokens to write (default: mla.data.DEFAULT_VALIDATION_TOKENS, 65536)")
+    parser.add_argument("--validation-tokens", type=int, default=DEFAULT_VALIDATION_TOKENS,
+                        help="held-out tokens to write (default: %(default)s)")
     parser.add_argument("--validation-fraction", type=float, default=0.05,
                         help="share of documents held out for validation, by document hash (default: %(default)s)")
     parser.add_argument("--weight", action="append", default=[], metavar="SOURCE=W",
@@ -53,11 +55,9 @@ def run(args) -> int:
             sep = ""
         if not sep:
             raise UserError(f"--weight {item!r}: expected SOURCE=NUMBER")
-    budgets = {"train_tokens": args.train_tokens}
-    if args.validation_tokens is not None:  # else build_dataset's default (not imported here: `mla --help` stays fast)
-        budgets["validation_tokens"] = args.validation_tokens
     manifest = build_dataset(
-        args.corpus, args.tokenizer, args.out, block_length=args.block_length, **budgets,
+        args.corpus, args.tokenizer, args.out, block_length=args.block_length, train_tokens=args.train_tokens,
+        validation_tokens=args.validation_tokens,
         validation_fraction=args.validation_fraction, seed=args.seed, workers=args.workers, weights=weights,
         force=args.force,
     )
