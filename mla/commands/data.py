@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mla.options import DEFAULT_VALIDATION_TOKENS
+from mla.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
 
 HELP = "tokenize a corpus (default: Python docs + stdlib, offline) into packed train/validation blocks"
 
@@ -31,7 +31,7 @@ def add_arguments(parser) -> None:
                              "corpus's first source runs dry; required for Hub corpora)")
     parser.add_argument("--validation-tokens", type=int, default=DEFAULT_VALIDATION_TOKENS,
                         help="held-out tokens to write (default: %(default)s)")
-    parser.add_argument("--validation-fraction", type=float, default=0.05,
+    parser.add_argument("--validation-fraction", type=float, default=DEFAULT_VALIDATION_FRACTION,
                         help="share of documents held out for validation, by document hash (default: %(default)s)")
     parser.add_argument("--weight", action="append", default=[], metavar="SOURCE=W",
                         help="override a source's mixture weight (repeatable), e.g. python-stdlib=0.7")

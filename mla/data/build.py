@@ -39,7 +39,7 @@ from mla.data.readers import READERS, reader_for
 from mla.data.tokenize import Doc, TokenizedStream, TokenizerPool, tokenizer_info
 from mla.data.writer import SplitWriter
 from mla.errors import UserError
-from mla.options import DEFAULT_VALIDATION_TOKENS
+from mla.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
 from mla.sources import sha256_of
 
 CHECKPOINT_TOKENS = 1 << 26   # ~67M tokens between resume checkpoints (~190 for the paper's 12.6B)
@@ -57,7 +57,7 @@ def default_workers() -> int:
 
 def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str | os.PathLike, *,
                   block_length: int = 2048, train_tokens: int | None = None,
-                  validation_tokens: int | None = DEFAULT_VALIDATION_TOKENS, validation_fraction: float = 0.05,
+                  validation_tokens: int | None = DEFAULT_VALIDATION_TOKENS, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
                   seed: int = 0, workers: int | None = None, weights: dict[str, float] | None = None,
                   force: bool = False, log=print, checkpoint_tokens: int = CHECKPOINT_TOKENS,
                   on_checkpoint=None) -> dict:

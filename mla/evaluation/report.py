@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mla.options import DEFAULT_VALIDATION_FRACTION
+
 SCHEMA = "mla.evaluation/1"
 TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",
                     "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "kv_quant",
@@ -54,7 +56,7 @@ class EvalOptions:
     ppl_batch_size: int = 1
     local_task: bool = True
     local_docs: int = 200
-    validation_fraction: float = 0.05
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION
     paper_tasks: str = "auto"            # auto (skip offline) | off
     paper_limit: int | None = None
     lm_eval_batch_size: int = 8

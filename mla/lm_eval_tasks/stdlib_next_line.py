@@ -15,6 +15,8 @@ import random
 import sysconfig
 from pathlib import Path
 
+from mla.options import DEFAULT_VALIDATION_FRACTION
+
 SOURCE_NAME = "python-stdlib"   # the name of the source in mla.data.PYDOC_STDLIB (same split hash)
 MIN_LINE_CHARS = 12
 MAX_CONTEXT_CHARS = 400
@@ -75,7 +77,7 @@ def make_docs(files: list[tuple[str, list[str]]], num_docs: int, seed: int, cont
     return docs
 
 
-def load(num_docs: int = 200, seed: int = 1234, context_lines: int = 6, validation_fraction: float = 0.05,
+def load(num_docs: int = 200, seed: int = 1234, context_lines: int = 6, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
          stdlib_root: str | None = None, **_ignored):
     import datasets
 
