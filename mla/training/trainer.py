@@ -173,9 +173,7 @@ class MetricsCallback(TrainerCallback):
         if state.is_world_process_zero:
             self.flush()
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.flush()
+    on_train_end = on_save   # the rows since the last checkpoint
 
 
 def extra_callbacks(specs: list[str]) -> list[TrainerCallback]:
@@ -277,14 +275,11 @@ def loaded_share(model) -> dict:
     total = held = local = 0
     whole = []
     for name, p in model.named_parameters():
-        if hasattr(p, "ds_numel"):
-            total += p.ds_numel
-            held += p.ds_tensor.numel()
-            local += p.numel()
-        else:
-            total += p.numel()
-            held += p.numel()
-            local += p.numel()
+        partitioned = hasattr(p, "ds_numel")
+        total += p.ds_numel if partitioned else p.numel()
+        held += p.ds_tensor.numel() if partitioned else p.numel()
+        local += p.numel()
+        if not partitioned:
             whole.append(name)
     return {"total": total, "held": held, "local": local, "not_partitioned": whole}
 
