@@ -444,15 +444,15 @@ def _advice(cfg_model: dict, plan: dict, where: str, train: dict) -> tuple[str, 
     """(key to change, what to set): the changes that make the job fit, the cheapest first."""
     st = plan["settings"]
     per_rank = train["batch_size"] // st["world_size"]
-    options = []   # (config key, description, new plan or None)
+    options = []   # (config key, description, new plan)
     if not st["gradient_checkpointing"]:
-        options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true",
-                        _replan(cfg_model, plan, gradient_checkpointing=True)))
+        checkpointed = _replan(cfg_model, plan, gradient_checkpointing=True)
+        options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true", checkpointed))
     smaller = _largest_micro_batch(cfg_model, plan, per_rank)
     if smaller:
         options.append((f"{where}.micro_batch_size",
                         f"set {where}.micro_batch_size: {smaller['settings']['micro_batch']}", smaller))
-    if not st["gradient_checkpointing"] and not options[0][2]["fits"]:
+    if not st["gradient_checkpointing"] and not checkpointed["fits"]:
         both = _largest_micro_batch(cfg_model, plan, per_rank, gradient_checkpointing=True)
         if both:
             options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true and "
