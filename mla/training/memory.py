@@ -157,9 +157,7 @@ def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_s
 
 def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, offload: bool) -> int:
     """CPU memory per node for the offloaded optimizer (fp32 gradient partition, master, Adam): 16P/N per rank."""
-    if not offload:
-        return 0
-    return 16 * P // (gpus_per_node * nodes) * gpus_per_node
+    return 16 * P // (gpus_per_node * nodes) * gpus_per_node if offload else 0
 
 
 def buffer_bytes(*, zero_stage: int, precision: str, overlap_comm: bool = True) -> int:
@@ -319,8 +317,7 @@ ASSUMPTIONS = [
 # ---------------------------------------------------------------- the workflow's check
 def model_config(config: dict, name: str, results: str | Path = "results") -> dict | None:
     """config.json of model `name` of a workflow config, from what is at hand; None when nothing is."""
-    models = config["models"]
-    model = models[name]
+    model = config["models"][name]
     source = model["source"]
     if source == "mha-from-gqa":
         parent = model_config(config, model["from"], results)

@@ -93,9 +93,8 @@ def _tune_engine(engine) -> None:
     - With one rank the backward all-reduce (flatten all grads into buckets, gloo all_reduce, copy back)
       is a no-op that costs two passes over the gradients per step: switch it off.
     """
-    if not hasattr(engine, "clip_fp32_gradients") or not hasattr(engine, "zero_optimization_stage"):
-        return
-    if engine.zero_optimization_stage() != 0:
+    is_deepspeed = hasattr(engine, "clip_fp32_gradients") and hasattr(engine, "zero_optimization_stage")
+    if not is_deepspeed or engine.zero_optimization_stage() != 0:
         return
     import torch.distributed as dist
     from deepspeed.runtime.utils import clip_grad_norm_
