@@ -22,9 +22,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,7 +65,7 @@ def write_hub_cache(hub_cache: Path, repo_id: str, revision: str, files: Path) -
     commit when `revision` is a branch or tag (a commit hash names its snapshot directly).
     """
     repo = hub_cache / ("models--" + repo_id.replace("/", "--"))
-    is_commit = len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+    is_commit = re.fullmatch("[0-9a-f]{40}", revision) is not None
     contents = {p.name: p.read_bytes() for p in sorted(files.iterdir()) if p.is_file()}
     commit = revision if is_commit else hashlib.sha1(
         b"".join(name.encode() + _git_blob_sha1(data).encode() for name, data in contents.items())).hexdigest()
@@ -73,8 +76,7 @@ def write_hub_cache(hub_cache: Path, repo_id: str, revision: str, files: Path) -
         etag = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else _git_blob_sha1(data)
         (repo / "blobs" / etag).write_bytes(data)
         link = snapshot / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
+        link.unlink(missing_ok=True)
         link.symlink_to(Path("..") / ".." / "blobs" / etag)
     (repo / "refs").mkdir(exist_ok=True)
     if not is_commit:
@@ -121,6 +123,13 @@ def load_config(*paths: str | Path) -> dict:
 
 
 # ---------------------------------------------------------------- stand-ins and workflow copy
+@contextlib.contextmanager
+def _timed(what: str, log):
+    t0 = time.perf_counter()
+    yield
+    log(f"stand-ins: {what} ({time.perf_counter() - t0:.1f} s)")
+
+
 def prepare(workdir: Path, *, log=print) -> dict[str, str]:
     """Build every offline stand-in under `workdir`; return the environment the workflow runs with."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -130,20 +139,17 @@ def prepare(workdir: Path, *, log=print) -> dict[str, str]:
         return json.loads(marker.read_text())
     paper = yaml.safe_load((ROOT / PAPER).read_text())
     env = {"HF_HOME": str(workdir / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=workdir) as build:
+    hub_repos = ", ".join(m["repo_id"] for m in paper["models"].values() if m["source"] == "hub")
+    with _timed(f"Hugging Face cache with {hub_repos}", log), tempfile.TemporaryDirectory(dir=workdir) as build:
         write_model_cache(workdir / "hf", paper, Path(build))
-    log(f"stand-ins: Hugging Face cache with {', '.join(m['repo_id'] for m in paper['models'].values() if m['source'] == 'hub')}"
-        f" ({time.perf_counter() - t0:.1f} s)")
     from mla.data.mirror import write_smollm_mirror
     from mla.evaluation.harness import write_local_task_data
 
-    t0 = time.perf_counter()
-    env.update({k: str(v) for k, v in write_smollm_mirror(workdir / "datasets", docs_per_source=DOCS_PER_SOURCE).items()})
-    log(f"stand-ins: smollm mixture mirror ({time.perf_counter() - t0:.1f} s)")
-    t0 = time.perf_counter()
-    env.update({k: str(v) for k, v in write_local_task_data(workdir / "lm-eval", rows_per_task=ROWS_PER_TASK).items()})
-    log(f"stand-ins: lm-eval task rows ({time.perf_counter() - t0:.1f} s)")
+    with _timed("smollm mixture mirror", log):
+        env.update(write_smollm_mirror(workdir / "datasets", docs_per_source=DOCS_PER_SOURCE))
+    with _timed("lm-eval task rows", log):
+        env.update(write_local_task_data(workdir / "lm-eval", rows_per_task=ROWS_PER_TASK))
+    env = {k: str(v) for k, v in env.items()}
     marker.write_text(json.dumps(env, indent=2) + "\n")
     return env
 
@@ -177,13 +183,39 @@ def _number(text) -> float | None:
         value = float(str(text).split("±")[0].strip())
     except ValueError:
         return None
-    return value if value == value else None  # NaN is not a score
+    return None if math.isnan(value) else value  # NaN is not a score
+
+
+def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int]) -> list[str]:
+    """An experiment's table: one row per checkpoint and per quantized-cache width, every paper task a number."""
+    import csv
+
+    from mla import paper_numbers
+
+    problems = []
+    rows = list(csv.DictReader(table.open()))
+    cache_rows = [r for r in rows if r.get("cache bits") not in (None, "", "16")]
+    rows = [r for r in rows if r not in cache_rows]    # a quantized-cache row measures the cache alone
+    if len(cache_rows) != checkpoints * len(widths):
+        problems.append(f"{where}: {len(cache_rows)} quantized-cache rows, expected "
+                        f"{checkpoints * len(widths)} ({len(widths)} widths x {checkpoints} checkpoints)")
+    if any(_number(r.get("cache-decoded loss")) is None for r in cache_rows):
+        problems.append(f"{where}: a quantized-cache row without its decoded loss")
+    if len(rows) != checkpoints:
+        problems.append(f"{where}: {len(rows)} rows, expected {checkpoints}")
+    for task in paper_numbers.TASKS:
+        title = paper_numbers.TASK_TITLES[task]
+        column = next((h for h in (rows[0] if rows else {}) if h.split(" ±")[0].split(" (")[0] == title
+                       and "(paper)" not in h and not h.startswith("Δ")), None)
+        if column is None:
+            problems.append(f"{where}: no column {title}")
+        elif any(_number(r[column]) is None for r in rows):
+            problems.append(f"{where}: column {column} is not a number in every row ({[r[column] for r in rows]})")
+    return problems
 
 
 def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
-    import csv
-
     from mla import budgets, paper_numbers, study
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)
@@ -223,21 +255,20 @@ def check_outputs(workdir: Path) -> list[str]:
             problems.append(f"results/data/{root}: train sources {sorted(sources)}, without tokens {empty}; "
                             f"expected the {len(SMOLLM_SOURCES)} sources of the smollm mixture")
     the_study = study.Study(cfg)
-    for ename, exp in cfg["experiments"].items():
+    for ename in cfg["experiments"]:
         for v in the_study.experiment(ename):
             t = v.train
             run = load_json(workdir / v.run_dir / "run.json")
             if not run:
                 continue
             accum = t["batch_size"] // (t["micro_batch_size"] * t["nproc"])
-            got = {"processes": run["world_size"], "precision": run["precision"],
-                   "accumulation": run["config"].get("grad_accum"), "zero_stage": run["config"].get("zero_stage"),
-                   "steps": run["steps"]}
-            want = {"processes": t["nproc"], "precision": t["precision"], "accumulation": accum,
-                    "zero_stage": t["zero_stage"], "steps": t["steps"]}
-            for key in want:
-                if got[key] != want[key]:
-                    problems.append(f"{v.run_dir}/run.json: {key} {got[key]}, configured {want[key]}")
+            got_want = {"processes": (run["world_size"], t["nproc"]), "precision": (run["precision"], t["precision"]),
+                        "accumulation": (run["config"].get("grad_accum"), accum),
+                        "zero_stage": (run["config"].get("zero_stage"), t["zero_stage"]),
+                        "steps": (run["steps"], t["steps"])}
+            for key, (got, want) in got_want.items():
+                if got != want:
+                    problems.append(f"{v.run_dir}/run.json: {key} {got}, configured {want}")
             if run.get("train_loss") is None:
                 problems.append(f"{v.run_dir}/run.json: no finite training loss")
             if v.is_baseline:
@@ -262,26 +293,8 @@ def check_outputs(workdir: Path) -> list[str]:
         if not table.is_file() or not (res / "tables" / f"{ename}.md").is_file():
             problems.append(f"results/tables/{ename}.csv/.md: missing")
             continue
-        rows = list(csv.DictReader(table.open()))
-        cache_rows = [r for r in rows if r.get("cache bits") not in (None, "", "16")]
-        rows = [r for r in rows if r not in cache_rows]    # a quantized-cache row measures the cache alone
-        widths = [b for b in the_study.config["evaluate"]["kv_bits"] if b != 16]
-        if len(cache_rows) != len(evaluated) * len(widths):
-            problems.append(f"{table.relative_to(workdir)}: {len(cache_rows)} quantized-cache rows, expected "
-                            f"{len(evaluated) * len(widths)} ({len(widths)} widths x {len(evaluated)} checkpoints)")
-        if any(_number(r.get("cache-decoded loss")) is None for r in cache_rows):
-            problems.append(f"{table.relative_to(workdir)}: a quantized-cache row without its decoded loss")
-        if len(rows) != len(evaluated):
-            problems.append(f"{table.relative_to(workdir)}: {len(rows)} rows, expected {len(evaluated)}")
-        for task in paper_numbers.TASKS:
-            title = paper_numbers.TASK_TITLES[task]
-            column = next((h for h in (rows[0] if rows else {}) if h.split(" ±")[0].split(" (")[0] == title
-                           and "(paper)" not in h and not h.startswith("Δ")), None)
-            if column is None:
-                problems.append(f"{table.relative_to(workdir)}: no column {title}")
-            elif any(_number(r[column]) is None for r in rows):
-                problems.append(f"{table.relative_to(workdir)}: column {column} is not a number in every row "
-                                f"({[r[column] for r in rows]})")
+        widths = [b for b in cfg["evaluate"]["kv_bits"] if b != 16]
+        problems += _table_problems(table, table.relative_to(workdir), len(evaluated), widths)
     for name, magic in (("loss.png", b"\x89PNG"), ("loss.pdf", b"%PDF")):
         path = res / "figures" / name
         if not path.is_file() or not path.read_bytes().startswith(magic):

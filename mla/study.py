@@ -154,9 +154,7 @@ def declared_settings(experiment: dict) -> dict[str, dict]:
 def _label(kind: str, settings: dict, name: str, declared_by_d_kv: bool) -> str:
     if "label" in settings:
         return str(settings["label"])
-    if declared_by_d_kv:
-        return f"{kind}2MLA d_kv = {settings['d_kv']}"
-    return name
+    return f"{kind}2MLA d_kv = {settings['d_kv']}" if declared_by_d_kv else name
 
 
 def experiment_variants(config: dict, experiment: str) -> list[Variant]:
@@ -192,8 +190,8 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
     errors = []
     for ename, exp in config["experiments"].items():
         where = f"experiments.{ename}"
-        declared = declared_settings(exp)
-        for name in exp.get("variants") or {}:
+        declared, named = declared_settings(exp), exp.get("variants") or {}
+        for name in named:
             if name in RESERVED_NAMES:
                 errors.append((f"{where}.variants.{name}", f"'{name}' is reserved (the unconverted model's rows)"))
             elif name in {f"dkv{int(d)}" for d in exp.get("d_kv", [])}:
@@ -206,10 +204,10 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
         if not declared and not exp.get("baseline", True):
             errors.append((where, "no variants: give d_kv, variants or baseline: true"))
         for name, own in declared.items():
-            key = f"{where}.variants.{name}" if name in (exp.get("variants") or {}) else f"{where}.overrides.{name}"
+            key = f"{where}.variants.{name}" if name in named else f"{where}.overrides.{name}"
             svd = own.get("svd", exp.get("svd")) or DEFAULT_SVD
             whiten = own.get("whiten", False)          # only asked of this variant itself
-            if svd == "none" and own.get("d_kv") is not None and name in (exp.get("variants") or {}):
+            if svd == "none" and own.get("d_kv") is not None and name in named:
                 errors.append((f"{key}.d_kv", "svd: none keeps K/V at full rank; d_kv follows from the model"))
             if svd != "none" and own.get("d_kv") is None:
                 errors.append((f"{key}.d_kv", f"svd: {svd} needs a latent size d_kv"))

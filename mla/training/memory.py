@@ -58,6 +58,7 @@ allocator fragmentation, which no plan counts.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -93,6 +94,15 @@ class Latent:
     split: bool = False
 
 
+def _word_bytes(precision: str) -> int:
+    return 2 if precision == "bf16" else 4
+
+
+def _default_r(head_dim: int) -> int:
+    """The paper's r = d_h / 16, as partial_rope.default_r (which imports torch)."""
+    return max(1, head_dim // 16)
+
+
 # ---------------------------------------------------------------- parameters
 def total_params(s: shapes.Shape, latent: Latent | None = None, tied: bool = False) -> int:
     """Every parameter once, the output head included (Table 4's counts leave an untied head out)."""
@@ -119,7 +129,7 @@ def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_s
                  precision: str) -> dict:
     """Per-GPU bytes of params, gradients and optimizer states (see the module docstring's table)."""
     n = gpus_per_node * nodes
-    w = 2 if precision == "bf16" else 4
+    w = _word_bytes(precision)
     master_adam = (4 + ADAM_STATE_BYTES) * P          # fp32 master weights + Adam m and v
     if zero_stage == 0:
         if offload:
@@ -145,16 +155,14 @@ def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_s
     return {"params": w * P, "gradients": partitioned // n - optimizer, "optimizer": optimizer}
 
 
-def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, zero_stage: int, offload: bool) -> int:
+def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, offload: bool) -> int:
     """CPU memory per node for the offloaded optimizer (fp32 gradient partition, master, Adam): 16P/N per rank."""
-    if not offload:
-        return 0
-    return 16 * P // (gpus_per_node * nodes) * gpus_per_node
+    return 16 * P // (gpus_per_node * nodes) * gpus_per_node if offload else 0
 
 
 def buffer_bytes(*, zero_stage: int, precision: str, overlap_comm: bool = True) -> int:
     """DeepSpeed's gradient-reduction (and ZeRO-3 prefetch) buckets, allocated in full."""
-    w = 2 if precision == "bf16" else 4
+    w = _word_bytes(precision)
     if zero_stage in (1, 2):
         return REDUCE_BUCKET_ELEMENTS * w * (2 if overlap_comm else 1)
     if zero_stage == 3:
@@ -186,7 +194,7 @@ def layer_saved_bytes(s: shapes.Shape, *, b: int, seq: int, w: int, latent: Late
 def activation_plan(s: shapes.Shape, *, micro_batch: int, seq: int, precision: str, gradient_checkpointing: bool,
                     latent: Latent | None = None, attention: str = "sdpa") -> dict:
     """Peak activation bytes of one forward + backward of one micro-batch, with the terms it is built from."""
-    b, w = micro_batch, (2 if precision == "bf16" else 4)
+    b, w = micro_batch, _word_bytes(precision)
     bs, bsh, bsv, bsi = b * seq, b * seq * s.hidden, b * seq * s.vocab, b * seq * s.intermediate
     layer = layer_saved_bytes(s, b=b, seq=seq, w=w, latent=latent, attention=attention)
     # cos/sin [1, s, d]: kept by the RoPE multiplications of Llama, by the checkpointed layers' inputs; MLA keeps
@@ -232,6 +240,11 @@ def _check(value, name: str, minimum: int = 1) -> int:
     return value
 
 
+def _check_choice(value, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch: int, seq: int, zero_stage: int,
                   gradient_checkpointing: bool, offload: bool = False, precision: str = "bf16",
                   d_kv: int | None = None, r: int | None = None, gpu_memory_bytes: int | None = None,
@@ -239,19 +252,19 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
     """Per-GPU memory of one training job of the model `config_dict` (a config.json), as a JSON-ready dict.
 
     `overlap_comm` (DeepSpeed's, on for GPUs in our config) doubles the ZeRO-1/2 reduction buckets."""
-    _check(nproc, "nproc"), _check(nodes, "nodes"), _check(micro_batch, "micro_batch"), _check(seq, "seq")
+    for value, name in ((nproc, "nproc"), (nodes, "nodes"), (micro_batch, "micro_batch"), (seq, "seq")):
+        _check(value, name)
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if precision not in PRECISIONS:
-        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if attention not in ATTENTIONS:
-        raise UserError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    _check_choice(precision, "precision", PRECISIONS)
+    _check_choice(attention, "attention", ATTENTIONS)
     s = shapes.shape_of(config_dict)
     tied = bool(config_dict.get("tie_word_embeddings", False))
     latent = None
     if d_kv is not None:
-        r = max(1, s.head_dim // 16) if r is None else r     # the paper's default, as partial_rope.default_r
-        _check(d_kv, "d_kv"), _check(r, "r")
+        r = _default_r(s.head_dim) if r is None else r
+        _check(d_kv, "d_kv")
+        _check(r, "r")
         if 2 * r > s.head_dim:
             raise UserError(f"r={r} is out of range: at most d_h/2 = {s.head_dim // 2} frequency pairs per head")
         latent = Latent(d_kv, r, svd == "split")
@@ -265,18 +278,15 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
     acts = activation_plan(s, micro_batch=micro_batch, seq=seq, precision=precision,
                            gradient_checkpointing=gradient_checkpointing, latent=latent, attention=attention)
     buffers = buffer_bytes(zero_stage=zero_stage, precision=precision, overlap_comm=overlap_comm)
-    model_state_bytes = states["params"] + states["gradients"] + states["optimizer"]
+    model_state_bytes = sum(states.values())
     total = model_state_bytes + acts["peak_bytes"] + buffers
+    parts = {**states, "activations": acts["peak_bytes"], "buffers": buffers, "total": total}
     usable = None if gpu_memory_bytes is None else int(gpu_memory_bytes * (1 - HEADROOM_FRACTION))
     return {
-        "params_bytes": states["params"], "gradients_bytes": states["gradients"],
-        "optimizer_bytes": states["optimizer"], "activations_bytes": acts["peak_bytes"],
-        "buffers_bytes": buffers, "total_bytes": total,
+        **{f"{k}_bytes": v for k, v in parts.items()},
         "fits": None if usable is None else total <= usable,
         "gpu_memory_bytes": gpu_memory_bytes, "usable_bytes": usable,
-        "gb": {k: round(v / GB, 2) for k, v in (("params", states["params"]), ("gradients", states["gradients"]),
-                                                ("optimizer", states["optimizer"]), ("activations", acts["peak_bytes"]),
-                                                ("buffers", buffers), ("total", total))},
+        "gb": {k: round(v / GB, 2) for k, v in parts.items()},
         "model": {"parameters": P, "largest_module_parameters": largest, "tied_embeddings": tied,
                   "layers": s.layers, "hidden": s.hidden, "intermediate": s.intermediate, "vocab": s.vocab,
                   "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
@@ -288,7 +298,7 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
                      "overlap_comm": overlap_comm},
         "breakdown": {"model_states_bytes": model_state_bytes, "activations": acts,
                       "host_bytes_per_node": host_bytes_per_node(P, gpus_per_node=nproc, nodes=nodes,
-                                                                 zero_stage=zero_stage, offload=offload)},
+                                                                 offload=offload)},
         "assumptions": ASSUMPTIONS,
     }
 
@@ -307,8 +317,7 @@ ASSUMPTIONS = [
 # ---------------------------------------------------------------- the workflow's check
 def model_config(config: dict, name: str, results: str | Path = "results") -> dict | None:
     """config.json of model `name` of a workflow config, from what is at hand; None when nothing is."""
-    models = config["models"]
-    model = models[name]
+    model = config["models"][name]
     source = model["source"]
     if source == "mha-from-gqa":
         parent = model_config(config, model["from"], results)
@@ -317,8 +326,6 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
         return dict(parent, num_key_value_heads=parent["num_attention_heads"])
     downloaded = Path(results) / "models" / name / "config.json"
     if downloaded.is_file():
-        import json
-
         return json.loads(downloaded.read_text())
     if source == "hub" and model.get("repo_id") in HUB_SHAPES:
         return shapes.read_config(HUB_SHAPES[model["repo_id"]])
@@ -357,7 +364,7 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
         if v.is_baseline:
             plans[v.name] = plan_training(cfg_model, **common)
             continue
-        r = max(1, s.head_dim // 16) if v.r is None else v.r
+        r = _default_r(s.head_dim) if v.r is None else v.r
         d_kv = v.d_kv if v.svd != "none" else full_rank_d_kv(cfg_model, r)
         plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **common)
     return plans
@@ -376,7 +383,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
     gpu_gb = config["train"].get("gpu_memory_gb")
     if gpu_gb is None:
         return []
-    models, errors = config["models"], []
+    errors = []
     for ename, exp in config["experiments"].items():
         train = dict(config["train"], **exp.get("train", {}))
         if train.get("device") != "gpu":
@@ -386,7 +393,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
             print(f"warning: no config.json at hand for model '{exp['model']}' (experiment {ename}): its training "
                   "jobs are not checked against train.gpu_memory_gb", file=sys.stderr)
             continue
-        root = models[study.root_model(config, exp["model"])]
+        root = config["models"][study.root_model(config, exp["model"])]
         seq = root.get("block_length", config.get("data", {}).get("block_length", 128))
         try:
             plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb))
@@ -398,7 +405,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
             continue
         variant, worst = max(too_big.items(), key=lambda kv: kv[1]["total_bytes"])
         where = f"experiments.{ename}.train" if exp.get("train") else "train"
-        key, advice = _advice(cfg_model, worst, where, train, variant)
+        key, advice = _advice(cfg_model, worst, where, train)
         st = worst["settings"]
         others = sorted(set(too_big) - {variant})
         errors.append((key, (
@@ -411,7 +418,8 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
     return errors
 
 
-def _replan(cfg_model: dict, plan: dict, variant: str, **change) -> dict:
+def _replan(cfg_model: dict, plan: dict, **change) -> dict:
+    """`plan` again with some of its settings changed."""
     st, mla = dict(plan["settings"]), plan["model"]["mla"]
     st.pop("world_size")
     st.update(change)
@@ -419,38 +427,38 @@ def _replan(cfg_model: dict, plan: dict, variant: str, **change) -> dict:
     return plan_training(cfg_model, gpu_memory_bytes=plan["gpu_memory_bytes"], **st, **extra)
 
 
-def _largest_micro_batch(cfg_model: dict, plan: dict, variant: str, per_rank: int, **change) -> dict | None:
+def _largest_micro_batch(cfg_model: dict, plan: dict, per_rank: int, **change) -> dict | None:
     """The plan with the largest micro-batch below the current one that divides the per-rank batch and fits."""
     for m in range(plan["settings"]["micro_batch"] - 1, 0, -1):
         if per_rank % m == 0:
-            new = _replan(cfg_model, plan, variant, micro_batch=m, **change)
+            new = _replan(cfg_model, plan, micro_batch=m, **change)
             if new["fits"]:
                 return new
     return None
 
 
-def _advice(cfg_model: dict, plan: dict, where: str, train: dict, variant: str) -> tuple[str, str]:
+def _advice(cfg_model: dict, plan: dict, where: str, train: dict) -> tuple[str, str]:
     """(key to change, what to set): the changes that make the job fit, the cheapest first."""
     st = plan["settings"]
     per_rank = train["batch_size"] // st["world_size"]
-    options = []   # (config key, description, new plan or None)
+    options = []   # (config key, description, new plan)
     if not st["gradient_checkpointing"]:
-        options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true",
-                        _replan(cfg_model, plan, variant, gradient_checkpointing=True)))
-    smaller = _largest_micro_batch(cfg_model, plan, variant, per_rank)
+        checkpointed = _replan(cfg_model, plan, gradient_checkpointing=True)
+        options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true", checkpointed))
+    smaller = _largest_micro_batch(cfg_model, plan, per_rank)
     if smaller:
         options.append((f"{where}.micro_batch_size",
                         f"set {where}.micro_batch_size: {smaller['settings']['micro_batch']}", smaller))
-    if not st["gradient_checkpointing"] and not options[0][2]["fits"]:
-        both = _largest_micro_batch(cfg_model, plan, variant, per_rank, gradient_checkpointing=True)
+    if not st["gradient_checkpointing"] and not checkpointed["fits"]:
+        both = _largest_micro_batch(cfg_model, plan, per_rank, gradient_checkpointing=True)
         if both:
             options.append(("train.gradient_checkpointing", "set train.gradient_checkpointing: true and "
                             f"{where}.micro_batch_size: {both['settings']['micro_batch']}", both))
     if st["zero_stage"] < 3:
-        options.append(("train.zero_stage", "set train.zero_stage: 3", _replan(cfg_model, plan, variant, zero_stage=3)))
+        options.append(("train.zero_stage", "set train.zero_stage: 3", _replan(cfg_model, plan, zero_stage=3)))
     if not st["offload"] and st["zero_stage"] > 0:
         options.append(("train.offload_optimizer", "set train.offload_optimizer: true",
-                        _replan(cfg_model, plan, variant, offload=True)))
+                        _replan(cfg_model, plan, offload=True)))
     fitting = [(k, f"{d} ({o['gb']['total']} GB)") for k, d, o in options if o["fits"]]
     if not fitting:
         return (f"{where}.micro_batch_size", "no change of gradient_checkpointing, micro_batch_size, zero_stage or "

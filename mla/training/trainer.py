@@ -93,9 +93,8 @@ def _tune_engine(engine) -> None:
     - With one rank the backward all-reduce (flatten all grads into buckets, gloo all_reduce, copy back)
       is a no-op that costs two passes over the gradients per step: switch it off.
     """
-    if not hasattr(engine, "clip_fp32_gradients") or not hasattr(engine, "zero_optimization_stage"):
-        return
-    if engine.zero_optimization_stage() != 0:
+    is_deepspeed = hasattr(engine, "clip_fp32_gradients") and hasattr(engine, "zero_optimization_stage")
+    if not is_deepspeed or engine.zero_optimization_stage() != 0:
         return
     import torch.distributed as dist
     from deepspeed.runtime.utils import clip_grad_norm_
@@ -173,9 +172,7 @@ class MetricsCallback(TrainerCallback):
         if state.is_world_process_zero:
             self.flush()
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.flush()
+    on_train_end = on_save   # the rows since the last checkpoint
 
 
 def extra_callbacks(specs: list[str]) -> list[TrainerCallback]:
@@ -277,14 +274,11 @@ def loaded_share(model) -> dict:
     total = held = local = 0
     whole = []
     for name, p in model.named_parameters():
-        if hasattr(p, "ds_numel"):
-            total += p.ds_numel
-            held += p.ds_tensor.numel()
-            local += p.numel()
-        else:
-            total += p.numel()
-            held += p.numel()
-            local += p.numel()
+        partitioned = hasattr(p, "ds_numel")
+        total += p.ds_numel if partitioned else p.numel()
+        held += p.ds_tensor.numel() if partitioned else p.numel()
+        local += p.numel()
+        if not partitioned:
             whole.append(name)
     return {"total": total, "held": held, "local": local, "not_partitioned": whole}
 
