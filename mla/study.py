@@ -277,7 +277,6 @@ class Study:
 
     def jobs(self) -> dict[str, int]:
         """Training and conversion jobs, and how many variants share them (for messages and tests)."""
-        return {"conversions": len(self.conversions()), "runs": len(self.runs()),
-                "variants": len(self.variants), "original_evaluations": len(
-                    {self.config["experiments"][e]["model"] for e in self.config["experiments"]})
-                if self.config["evaluate"].get("original", True) else 0}
+        originals = {exp["model"] for exp in self.config["experiments"].values()}
+        return {"conversions": len(self.conversions()), "runs": len(self.runs()), "variants": len(self.variants),
+                "original_evaluations": len(originals) if self.config["evaluate"].get("original", True) else 0}

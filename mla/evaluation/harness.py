@@ -47,6 +47,7 @@ import socket
 from pathlib import Path
 
 from mla.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 # paper column -> lm-eval task(s) whose acc_norm (acc where absent) make the column
 PAPER_TASKS = {
@@ -139,7 +140,7 @@ def _score_and_stderr(result: dict) -> tuple[float | None, float | None]:
 
 
 def local_task(model, tokenizer, *, num_docs: int = 200, seed: int = 1234, context_lines: int = 6,
-               validation_fraction: float = 0.05, batch_size: int = 8) -> dict:
+               validation_fraction: float = DEFAULT_VALIDATION_FRACTION, batch_size: int = 8) -> dict:
     """Accuracy on `mla_stdlib_next_line` (4 choices: chance is 0.25), with standard errors."""
     meta = {"num_docs": num_docs, "seed": seed, "context_lines": context_lines,
             "validation_fraction": validation_fraction}
