@@ -215,7 +215,8 @@ def training_throughput(work: Path, *, tiny: bool, device: str, steps: int, micr
     corpus = work / "corpus.yaml"
     corpus.write_text("name: stdlib\nsources:\n  - {name: python-stdlib, weight: 1, kind: python_stdlib}\n")
     build_dataset(str(corpus), model_dir, data_dir, block_length=seq, train_tokens=32 * seq, validation_tokens=2 * seq,
-                  validation_fraction=DEFAULT_VALIDATION_FRACTION, seed=0, workers=min(4, os.cpu_count() or 1), log=lambda *a: None)
+                  validation_fraction=DEFAULT_VALIDATION_FRACTION, seed=0, workers=min(4, os.cpu_count() or 1),
+                  log=lambda *a: None)
     precision = "fp32" if device == "cpu" else "bf16"
     cmd = [sys.executable, "-m", "mla", "train", "--model", str(model_dir), "--data", str(data_dir),
            "--out", str(out_dir), "--steps", str(steps), "--warmup-steps", "1", "--decay-steps", "1",

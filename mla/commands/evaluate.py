@@ -62,11 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmlu", type=int, default=D.mmlu, metavar="N",
                    help="MMLU cloze on N test questions stratified by subject (0 = off, default; "
                         "14042 or more = all)")
-    p.add_argument("--mmlu-seed", type=int, default=D.mmlu_seed, help=f"seed of the MMLU sample (default {D.mmlu_seed})")
+    p.add_argument("--mmlu-seed", type=int, default=D.mmlu_seed,
+                   help=f"seed of the MMLU sample (default {D.mmlu_seed})")
     p.add_argument("--prefetched", metavar="MANIFEST",
                    help="manifest.json of `mla prefetch`: the paper tasks' documents come from the folder it "
                         "names (for jobs on nodes without internet, run with HF_HUB_OFFLINE=1)")
-    p.add_argument("--kv-batch", type=int, default=D.kv_batch, help=f"batch of the KV-bytes generate (default {D.kv_batch})")
+    p.add_argument("--kv-batch", type=int, default=D.kv_batch,
+                   help=f"batch of the KV-bytes generate (default {D.kv_batch})")
     p.add_argument("--kv-new-tokens", type=int, default=D.kv_new_tokens,
                    help=f"tokens generated for the KV-bytes check (default {D.kv_new_tokens})")
     q = p.add_argument_group("quantized KV cache (paper Table 2; mla/evaluation/kv_quant.py)")

@@ -57,7 +57,8 @@ def default_workers() -> int:
 
 def build_dataset(corpus: str, tokenizer_path: str | os.PathLike, out_dir: str | os.PathLike, *,
                   block_length: int = 2048, train_tokens: int | None = None,
-                  validation_tokens: int | None = DEFAULT_VALIDATION_TOKENS, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+                  validation_tokens: int | None = DEFAULT_VALIDATION_TOKENS,
+                  validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
                   seed: int = 0, workers: int | None = None, weights: dict[str, float] | None = None,
                   force: bool = False, log=print, checkpoint_tokens: int = CHECKPOINT_TOKENS,
                   on_checkpoint=None) -> dict:
