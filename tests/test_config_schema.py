@@ -49,6 +49,7 @@ def test_the_workflow_recipe_becomes_mla_train_options():
     train = validated(_default_config())["train"]
     options = workflow_options(dict(train, offload_optimizer=True, zero_stage=2, device="gpu"))
     assert options["global_batch"] == train["batch_size"] and options["clip"] == train["max_grad_norm"]
+    assert list(workflow_options(dict(reversed(train.items())))) == list(options)  # one order: the params text
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]  # as the finetune rule writes them
     cfg = parse_options(["--model", "m", "--data", "d", "--out", "o", *argv])
     assert (cfg.offload, cfg.device, cfg.gradient_checkpointing) == (True, "cuda", False)

@@ -192,10 +192,11 @@ WORKFLOW_NAMES = {"batch_size": "global_batch", "micro_batch_size": "micro_batch
 def workflow_options(train: dict) -> dict:
     """The `mla train` options (TrainConfig fields) of a workflow `train` block; keys that only the workflow
     reads (gpu_memory_gb) are left out."""
-    names = set(TrainConfig.field_names())
-    options = {WORKFLOW_NAMES.get(k, k): v for k, v in train.items() if WORKFLOW_NAMES.get(k, k) in names}
-    options["device"] = "cuda" if train["device"] == "gpu" else "cpu"
-    return options
+    given = {WORKFLOW_NAMES.get(k, k): v for k, v in train.items()}
+    given["device"] = "cuda" if train["device"] == "gpu" else "cpu"
+    # in TrainConfig's order, whatever the block's: the flags are a rule's params, and Snakemake reruns a job
+    # whose params text changed
+    return {name: given[name] for name in TrainConfig.field_names() if name in given}
 
 
 def workflow_train_error(train: dict) -> str | None:
