@@ -33,7 +33,6 @@ if "HF_TOKEN" in os.environ:
         "HF_TOKEN",
 
 
-
 check_config(config)  # schema (with defaults and descriptions) + cross-references; stops before any job
 # Every variant and the jobs it needs, keyed by what they compute (mla/study.py): a conversion or a
 # training run that several variants or experiments share is one job.

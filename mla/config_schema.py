@@ -25,10 +25,9 @@ def load_schema() -> dict:
     """The YAML schema with the lists and defaults that the package defines filled in (mla.options for
     the strategies and model sources, TrainConfig for the recipe's paper defaults and the
     MLflow experiment, mla.tracking for the store, EvalOptions for the evaluation's)."""
-    from mla.options import (DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, DEFAULT_VALIDATION_FRACTION,
-                             DEFAULT_VALIDATION_TOKENS, MODEL_SOURCES,
-                             ROPE_STRATEGIES, SVD_METHODS)
     from mla.evaluation.report import EvalOptions
+    from mla.options import (DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS,
+                             MODEL_SOURCES, ROPE_STRATEGIES, SVD_METHODS)
     from mla.tracking import DEFAULT_TRACKING_URI
     from mla.training.config import TrainConfig
 
@@ -43,12 +42,11 @@ def load_schema() -> dict:
     for key in ("weight_decay", "seed"):
         props["train"]["properties"][key]["default"] = getattr(TrainConfig, key)
     props["mlflow"]["properties"]["experiment"]["default"] = TrainConfig.experiment
+    props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
     props["data"]["properties"]["validation_tokens"]["default"] = DEFAULT_VALIDATION_TOKENS
     props["data"]["properties"]["validation_fraction"]["default"] = DEFAULT_VALIDATION_FRACTION
-    evaluate = props["evaluate"]["properties"]
     for key in EVALUATE_DEFAULTS_FROM_CLI:
-        evaluate[key]["default"] = getattr(EvalOptions, key)
-    props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
+        props["evaluate"]["properties"][key]["default"] = getattr(EvalOptions, key)
     return schema
 
 
