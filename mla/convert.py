@@ -100,7 +100,7 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
 def full_rank_d_kv(config: dict, r: int | None) -> int:
     """d_kv of `--svd none`: the full rank of [W_k,nope; W_v] per KV head, min(2·d_h − 2r, hidden / n_kv)."""
     s = shapes.shape_of(config)
-    r = partial_rope.default_r(s.head_dim) if r is None else r
+    r = shapes.default_r(s.head_dim) if r is None else r
     full = lowrank.max_rank("none", s.kv_heads * (s.head_dim - 2 * r), s.kv_heads * s.head_dim, s.hidden)
     if full % s.kv_heads:
         raise UserError(f"--svd none: the full rank {full} of [W_k,nope; W_v] is not a multiple of the "
@@ -114,7 +114,7 @@ def resolve_options(config: dict, d_kv: int | None, r: int | None, strategy: str
     With svd "none", d_kv must be None or the full rank (`full_rank_d_kv`)."""
     shapes.check_family(config)
     s = shapes.shape_of(config)
-    r = partial_rope.default_r(s.head_dim) if r is None else r
+    r = shapes.default_r(s.head_dim) if r is None else r
     try:
         partial_rope.check_r(r, s.head_dim)
     except ValueError as exc:

@@ -97,7 +97,7 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
         if cfg is None:           # shape unknown before download: the evaluation job checks it
             continue
         s = shapes.shape_of(cfg)
-        r = max(1, s.head_dim // 16) if v.r is None else v.r
+        r = shapes.default_r(s.head_dim) if v.r is None else v.r
         # svd none keeps the joint factorisation at full rank: min(n_kv·(2d_h − 2r), hidden) latent channels
         latent = (min(s.kv_heads * (2 * s.head_dim - 2 * r), s.hidden) if v.d_kv is None else s.kv_heads * v.d_kv)
         group = group_size_for(e, v.model)

@@ -13,11 +13,6 @@ import torch
 from mla.options import ROPE_STRATEGIES as STRATEGIES
 
 
-def default_r(head_dim: int) -> int:
-    """The paper's default r = d_h / 16 (4 for SmolLM, 8 for Llama-2-7B)."""
-    return max(1, head_dim // 16)
-
-
 def check_r(r: int, head_dim: int) -> None:
     if not 0 <= r <= head_dim // 2:
         raise ValueError(f"r={r} is out of range: it counts kept frequency pairs per head and must be "

@@ -162,6 +162,11 @@ def params_mla(s: Shape, d_kv: int, r: int, split: bool = False) -> int:
     return _common_params(s) + s.layers * kv
 
 
+def default_r(head_dim: int) -> int:
+    """The paper's default r = d_h / 16 (4 for SmolLM, 8 for Llama-2-7B)."""
+    return max(1, head_dim // 16)
+
+
 def kv_elements_original(s: Shape) -> int:
     """Cached elements per token, summed over layers: K and V of every KV head."""
     return s.layers * 2 * s.kv_heads * s.head_dim

@@ -49,10 +49,10 @@ def run(args):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')} plans a training job: add --train")
 
-    from mla import convert, partial_rope
+    from mla import convert
 
     s = shapes.shape_of(config)
-    r = partial_rope.default_r(s.head_dim) if args.r is None else args.r
+    r = shapes.default_r(s.head_dim) if args.r is None else args.r
     d_kvs = args.d_kv or [s.head_dim // 2, s.head_dim // 4, s.head_dim // 8]
     rows = []
     for d_kv in d_kvs:

@@ -98,11 +98,6 @@ def _word_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def _default_r(head_dim: int) -> int:
-    """The paper's r = d_h / 16, as partial_rope.default_r (which imports torch)."""
-    return max(1, head_dim // 16)
-
-
 # ---------------------------------------------------------------- parameters
 def total_params(s: shapes.Shape, latent: Latent | None = None, tied: bool = False) -> int:
     """Every parameter once, the output head included (Table 4's counts leave an untied head out)."""
@@ -262,7 +257,7 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
     tied = bool(config_dict.get("tie_word_embeddings", False))
     latent = None
     if d_kv is not None:
-        r = _default_r(s.head_dim) if r is None else r
+        r = shapes.default_r(s.head_dim) if r is None else r
         _check(d_kv, "d_kv")
         _check(r, "r")
         if 2 * r > s.head_dim:
@@ -364,7 +359,7 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
         if v.is_baseline:
             plans[v.name] = plan_training(cfg_model, **common)
             continue
-        r = _default_r(s.head_dim) if v.r is None else v.r
+        r = shapes.default_r(s.head_dim) if v.r is None else v.r
         d_kv = v.d_kv if v.svd != "none" else full_rank_d_kv(cfg_model, r)
         plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **common)
     return plans
