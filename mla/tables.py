@@ -67,7 +67,10 @@ def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
     """Mean training loss over the last `last` logged steps of a metrics.csv."""
     if not path.is_file():
         raise TableInputError(f"metrics file not found: {path}")
-    metrics = pd.read_csv(path)
+    try:
+        metrics = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise TableInputError(f"{path}: empty, no 'loss' column") from None
     if "loss" not in metrics:
         raise TableInputError(f"{path}: no 'loss' column (header is {list(metrics.columns)})")
     losses = metrics["loss"][np.isfinite(metrics["loss"])]

@@ -78,6 +78,17 @@ def test_final_loss_is_mean_of_last_steps(experiment):
     assert final_loss(experiment["m_d8"]) == pytest.approx((9.0 + 3.0 + 2.5) / 3)
 
 
+@pytest.mark.parametrize("text, message", [("", "empty, no 'loss' column"), ("step,lr\n1,0.1\n", "no 'loss' column"),
+                                           ("step,loss\n1,nan\n", "no finite loss values")])
+def test_a_metrics_file_without_losses_names_the_cause(tmp_path, text, message):
+    from mla.tables import TableInputError
+
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text(text)
+    with pytest.raises(TableInputError, match=message):
+        final_loss(metrics)
+
+
 def test_table_against_paper(experiment, tmp_path):
     e = experiment
     out = tmp_path / "tables" / "smol"
