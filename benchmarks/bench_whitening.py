@@ -20,7 +20,8 @@ import time
 def main() -> None:
     import torch
 
-    from mla import calibrate, checkpoint
+    from mla.conversion import calibrate
+    from mla import checkpoint
     from mla.convert import convert_model
     from mla.data import open_blocks
     from mla.evaluation.perplexity import perplexity

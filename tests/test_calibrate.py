@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla import calibrate
+from mla.conversion import calibrate
 from mla.cli import main
 from mla.testing import tiny_llama
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mla import calibrate, lowrank
+from mla.conversion import calibrate
+from mla import lowrank
 from mla.cli import main
 from mla.convert import convert_model
 from mla.errors import UserError

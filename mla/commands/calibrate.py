@@ -31,7 +31,8 @@ def add_arguments(p):
 
 
 def run(args):
-    from mla import calibrate, checkpoint, devices
+    from mla.conversion import calibrate
+    from mla import checkpoint, devices
     from mla.errors import UserError
 
     if args.samples <= 0:
@@ -84,7 +85,7 @@ def _save_atomically(obj: dict, path: str):
 
 def _write_covariances(args, model, result: dict, batch_size: int) -> None:
     """The covariance file: fit (the calibration blocks) and held-out (validation blocks) second moments."""
-    from mla import calibrate
+    from mla.conversion import calibrate
     from mla.data import open_blocks
 
     heldout, heldout_tokens = None, 0
