@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from mla import lowrank, partial_rope, shapes
+from mla import lowrank, shapes
+from mla.conversion import partial_rope
 from mla.errors import UserError
 from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 

@@ -8,7 +8,7 @@ import torch
 from mla.convert import convert_model
 from mla.kvcache import cache_nbytes, kv_elements_per_token
 from mla.modeling import MLACache
-from mla.partial_rope import select_pairs
+from mla.conversion.partial_rope import select_pairs
 from mla.testing import tiny_llama
 
 TOL = 1e-4

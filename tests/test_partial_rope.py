@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mla.conversion import calibrate
-from mla.partial_rope import fixed_pairs, head_permutation, nope_dims, rope_dims, select_pairs
+from mla.conversion.partial_rope import fixed_pairs, head_permutation, nope_dims, rope_dims, select_pairs
 from mla.testing import tiny_llama
 
 
