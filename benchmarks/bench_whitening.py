@@ -2,7 +2,7 @@
 
 For each d_kv, the model is converted twice with the same 2-norm partial RoPE (r pairs), once with the
 plain SVD of [W_k,nope; W_v] (the paper) and once with the SVD fitted to the attention inputs'
-covariance from the calibration blocks (mla.lowrank). Prints a Markdown table and JSON: mean held-out
+covariance from the calibration blocks (mla.conversion.lowrank). Prints a Markdown table and JSON: mean held-out
 loss with its standard error, perplexity, the mean relative output error of the K/V projections on
 held-out inputs.
 

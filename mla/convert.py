@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from mla import lowrank, shapes
+from mla.conversion import lowrank
+from mla import shapes
 from mla.conversion import partial_rope
 from mla.errors import UserError
 from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
@@ -58,7 +59,7 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
     """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's errors:
     {"weight": ‖M − A‖/‖M‖, "output": the relative error of M x on inputs with `report_covariance`}.
 
-    `fit_covariance` (the layer's input second moment) makes the SVD activation-aware (mla.lowrank).
+    `fit_covariance` (the layer's input second moment) makes the SVD activation-aware (mla.conversion.lowrank).
 
     `nope_query_scale` multiplies the query's no-RoPE rows: the square of the RoPE attention factor
     (yarn), which the original applied to every dim through cos/sin and partial RoPE applies to the

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mla.conversion import calibrate
-from mla import lowrank
+from mla.conversion import lowrank
 from mla.cli import main
 from mla.convert import convert_model
 from mla.errors import UserError
