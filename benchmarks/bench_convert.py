@@ -19,7 +19,8 @@ CHILD = textwrap.dedent("""
     import json, resource, sys, time
     t0 = time.perf_counter()
     import torch, transformers, mla.modeling  # noqa: F401
-    from mla import checkpoint, convert
+    from mla import checkpoint
+    from mla.conversion import convert
     rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mode, src, out, d_kv = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     t1 = time.perf_counter()

@@ -30,7 +30,7 @@ def build_models(d_kv: int, r: int | None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mla.convert import convert_model
+    from mla.conversion.convert import convert_model
 
     torch.manual_seed(0)
     original = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()

@@ -122,7 +122,7 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="print DeepSpeed's per-step wall-clock breakdown")
     args = p.parse_args()
 
-    from mla.convert import convert_checkpoint
+    from mla.conversion.convert import convert_checkpoint
     from mla.data import build_dataset
 
     with tempfile.TemporaryDirectory(prefix="bench_train.") as tmp:

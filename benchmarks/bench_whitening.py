@@ -22,7 +22,7 @@ def main() -> None:
 
     from mla.conversion import calibrate
     from mla import checkpoint
-    from mla.convert import convert_model
+    from mla.conversion.convert import convert_model
     from mla.data import open_blocks
     from mla.evaluation.perplexity import perplexity
 

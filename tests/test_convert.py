@@ -12,7 +12,7 @@ import torch
 from mla import sources
 from mla.checkpoint import load_model
 from mla.cli import main as mla_main
-from mla.convert import convert_checkpoint
+from mla.conversion.convert import convert_checkpoint
 
 PROMPT = [[5, 17, 99, 3, 250, 41, 7, 300]]
 

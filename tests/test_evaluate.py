@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mla.cli import main
-from mla.convert import convert_model
+from mla.conversion.convert import convert_model
 from mla.evaluation import decode, harness, kv_bytes
 from mla.evaluation.perplexity import perplexity
 from mla.evaluation.report import TOP_LEVEL_FIELDS

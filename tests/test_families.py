@@ -13,7 +13,7 @@ import torch
 
 from mla.conversion import calibrate
 from mla import shapes
-from mla.convert import convert_checkpoint, convert_model
+from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.errors import UserError
 from mla.kvcache import cache_nbytes, kv_elements_per_token
 from mla.testing import tiny_decoder, tiny_tokenizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mla.cli import main as mla_main
-from mla.convert import convert_model
+from mla.conversion.convert import convert_model
 from mla.errors import UserError
 from mla.evaluation.kv_bytes import measure_kv_bytes
 from mla.evaluation.kv_quant import KVQuant, make_cache, quantized_cache_losses
@@ -216,7 +216,7 @@ def test_quantized_cache_formula_counts_the_window_in_full_precision():
 
 def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
     from mla.checkpoint import load_model
-    from mla.convert import convert_checkpoint
+    from mla.conversion.convert import convert_checkpoint
     from mla.testing import save_tiny_checkpoint
 
     src = save_tiny_checkpoint(tmp_path / "gqa", num_kv_heads=2)

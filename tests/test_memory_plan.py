@@ -63,7 +63,7 @@ def test_estimator_inputs_equal_the_built_model(tie, mla):
     """P and the largest module that the plan derives from a config are DeepSpeed's `model_to_params` of the model."""
     from deepspeed.runtime.zero.stage3 import model_to_params
 
-    from mla.convert import convert_model
+    from mla.conversion.convert import convert_model
     from mla.testing import tiny_llama
 
     model = tiny_llama(num_kv_heads=2, tie_word_embeddings=tie, vocab_size=96)   # vocab small: MLP is largest

@@ -16,7 +16,7 @@ from lm_eval.models.huggingface import HFLM
 from transformers import DynamicCache
 
 from mla.cli import main
-from mla.convert import convert_model
+from mla.conversion.convert import convert_model
 from mla.errors import UserError
 from mla.evaluation import harness, mmlu
 from mla.evaluation.report import flat_metrics

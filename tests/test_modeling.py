@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mla.convert import convert_model
+from mla.conversion.convert import convert_model
 from mla.kvcache import cache_nbytes, kv_elements_per_token
 from mla.modeling import MLACache
 from mla.conversion.partial_rope import select_pairs

@@ -158,7 +158,7 @@ def test_batched_generation_equals_one_by_one(tiny_model, tok):
 
 def test_mla_model_at_full_rank_answers_as_the_original(tiny_model, tok):
     """The converted model (latent cache) through the same path, batched with left padding."""
-    from mla.convert import convert_model
+    from mla.conversion.convert import convert_model
     from mla.testing import tiny_llama
 
     d_h = tiny_model.config.head_dim

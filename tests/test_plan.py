@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mla import shapes
-from mla.convert import count_parameters, resolve_options
+from mla.conversion.convert import count_parameters, resolve_options
 from mla.errors import UserError
 from mla.testing import tiny_llama
 
@@ -37,7 +37,7 @@ def test_plan_matches_paper_table4(name):
 @pytest.mark.parametrize("num_kv_heads,d_kv,r,split", [(4, 8, 2, False), (2, 6, 1, True), (2, 16, 8, False)])
 def test_counting_convention_matches_real_modules(num_kv_heads, d_kv, r, split):
     """The analytic count equals the parameters of a built model (tied and untied heads)."""
-    from mla.convert import convert_model
+    from mla.conversion.convert import convert_model
 
     for tie in (True, False):
         model = tiny_llama(num_kv_heads=num_kv_heads, tie_word_embeddings=tie)

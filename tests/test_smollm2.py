@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mla.checkpoint import load_model, load_tokenizer
-from mla.convert import convert_model
+from mla.conversion.convert import convert_model
 from mla.kvcache import cache_nbytes
 from mla.sources import expand_kv_heads
 

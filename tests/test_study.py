@@ -145,7 +145,7 @@ def test_the_default_mha_panel_compresses_by_the_papers_fractions_of_d_h():
 def test_svd_none_keeps_keys_and_values_exact():
     """Keeping every RoPE pair, `svd: none` is the original model; with r < d_h/2 only RoPE changed, so
     the K/V factorisation is exact and a GQA model's cache is the original size (d_kv + 2r = 2 d_h)."""
-    from mla.convert import convert_model
+    from mla.conversion.convert import convert_model
     from mla.testing import tiny_llama
 
     torch.manual_seed(0)

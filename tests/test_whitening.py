@@ -12,7 +12,7 @@ import torch
 from mla.conversion import calibrate
 from mla.conversion import lowrank
 from mla.cli import main
-from mla.convert import convert_model
+from mla.conversion.convert import convert_model
 from mla.errors import UserError
 from mla.testing import tiny_llama
 

@@ -20,7 +20,7 @@ BLOCK = 32
 @pytest.fixture(scope="session")
 def train_inputs(tmp_path_factory) -> Path:
     """root/llama (tiny GQA Llama), root/mla (converted, d_kv 8), root/data (pydoc-stdlib, 32-token blocks)."""
-    from mla.convert import convert_checkpoint
+    from mla.conversion.convert import convert_checkpoint
     from mla.data import build_dataset
     from mla.testing import save_tiny_checkpoint
 

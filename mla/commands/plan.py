@@ -49,7 +49,7 @@ def run(args):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')} plans a training job: add --train")
 
-    from mla import convert
+    from mla.conversion import convert
 
     s = shapes.shape_of(config)
     r = shapes.default_r(s.head_dim) if args.r is None else args.r
@@ -104,7 +104,7 @@ def _run_train(args, config) -> int:
     d_kv = args.d_kv[0] if args.d_kv else None
     r = args.r
     if d_kv is not None:   # the same checks as the conversion (family, rank, r range)
-        from mla import convert
+        from mla.conversion import convert
 
         r, _ = convert.resolve_options(config, d_kv, r, "high", args.svd)
     elif r is not None:

@@ -98,7 +98,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     """Every requested measurement of one loaded model, as the JSON-ready dict described above."""
     import torch
 
-    from mla.convert import count_parameters
+    from mla.conversion.convert import count_parameters
     from mla.evaluation import decode, harness, kv_bytes, perplexity
 
     cfg = model.config

@@ -347,7 +347,7 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
 
 def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int) -> dict:
     """Plan of every variant of one experiment: {variant: plan}."""
-    from mla.convert import full_rank_d_kv   # imports torch: only GPU configs get here, not every Snakefile parse
+    from mla.conversion.convert import full_rank_d_kv   # imports torch: only GPU configs get here, not every Snakefile parse
 
     s = shapes.shape_of(cfg_model)
     common = dict(nproc=train["nproc"], nodes=train.get("nodes", 1), micro_batch=train["micro_batch_size"], seq=seq,
