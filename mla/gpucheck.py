@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mla import shapes
+from mla.conversion import shapes
 from mla.options import DEFAULT_VALIDATION_FRACTION
 from mla.training import memory
 

@@ -8,7 +8,7 @@ a scale; the newest `residual` tokens stay in full precision.
 
 from __future__ import annotations
 
-from mla import shapes
+from mla.conversion import shapes
 
 FULL_PRECISION_BITS = 16    # the paper's name for "not quantized" (the cache keeps the model's dtype)
 

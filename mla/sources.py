@@ -21,7 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from mla import atomic, checkpoint, shapes
+from mla import atomic, checkpoint
+from mla.conversion import shapes
 from mla.errors import UserError
 from mla.options import MODEL_SOURCES
 

@@ -372,7 +372,7 @@ def test_paper_decode_point_32x4096_needs_128gib_for_the_fp32_original():
     64 GB job it is skipped, never allocated (the model here lives on the meta device: no memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mla.shapes import read_config
+    from mla.conversion.shapes import read_config
 
     cfg = LlamaConfig(**{k: v for k, v in read_config("llama-2-7b").items() if k != "architectures"})
     with torch.device("meta"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mla.conversion import calibrate
-from mla import shapes
+from mla.conversion import shapes
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.errors import UserError
 from mla.kvcache import cache_nbytes, kv_elements_per_token

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla import shapes
+from mla.conversion import shapes
 from mla.errors import UserError
 from mla.training import memory
 

@@ -39,7 +39,7 @@ def add_arguments(p):
 def run(args):
     import json
 
-    from mla import shapes
+    from mla.conversion import shapes
     from mla.errors import UserError
 
     config = shapes.read_config(args.base)
@@ -69,7 +69,7 @@ def run(args):
 def _quantized(s, d_kv: int, r: int, bits: int, group_size: int, scale_bytes: int) -> dict:
     """The converted cache per token at `bits`, against the original's 16-bit K and V (long-context limit:
     every token quantized, the full-precision window left out)."""
-    from mla import shapes
+    from mla.conversion import shapes
     from mla.errors import UserError
     from mla.modeling.cache_mla import cached_widths, check_quantization, quantized_bytes_per_token
 

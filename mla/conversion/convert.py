@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mla.conversion import lowrank
-from mla import shapes
+from mla.conversion import shapes
 from mla.conversion import partial_rope
 from mla.errors import UserError
 from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD

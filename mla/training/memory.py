@@ -64,7 +64,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mla import shapes, study
+from mla.conversion import shapes
+from mla import study
 from mla.errors import UserError
 from mla.options import DEFAULT_SVD
 
