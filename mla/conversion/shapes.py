@@ -41,7 +41,7 @@ NAMED_SHAPES = {
     "qwen2.5-0.5b": "qwen2.5-0.5b.json", "qwen2.5-1.5b": "qwen2.5-1.5b.json", "qwen2.5-7b": "qwen2.5-7b.json",
     "mistral-7b": "mistral-7b-v0.3.json",
 }
-_SHAPES_DIR = Path(__file__).with_name("shapes")
+_SHAPES_DIR = Path(__file__).with_name("model_shapes")
 
 
 @dataclass(frozen=True)

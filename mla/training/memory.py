@@ -77,7 +77,7 @@ ADAM_STATE_BYTES = 8             # fp32 exp_avg + exp_avg_sq per parameter
 PRECISIONS = ("bf16", "fp32")
 ATTENTIONS = ("sdpa", "eager")
 
-# Hub repositories whose architecture is one of the named shapes in mla/shapes/
+# Hub repositories whose architecture is one of the named shapes in mla/conversion/model_shapes/
 HUB_SHAPES = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "HuggingFaceTB/SmolLM-135M": "smollm-135m",
               "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
               "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b", "Qwen/Qwen2.5-1.5B": "qwen2.5-1.5b", "Qwen/Qwen2.5-7B": "qwen2.5-7b",
