@@ -26,7 +26,7 @@ from mla.checkpoint import load_model, load_tokenizer
 from mla.config_schema import validated
 from mla.evaluation import decode, kv_quant, report
 from mla.evaluation.perplexity import load_blocks
-from mla.kvcache import group_size_for
+from mla.kv.accounting import group_size_for
 
 
 def checkpoints(workdir: Path, cfg: dict) -> list[tuple[str, str, Path]]:

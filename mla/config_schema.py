@@ -90,7 +90,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
     from mla import study
     from mla.budgets import budget_errors
-    from mla.kvcache import workflow_errors as kv_group_errors
+    from mla.kv.accounting import workflow_errors as kv_group_errors
     from mla.training.config import workflow_train_error
     from mla.training.memory import memory_errors
 

@@ -15,7 +15,7 @@ from mla.conversion import calibrate
 from mla.conversion import shapes
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.errors import UserError
-from mla.kvcache import cache_nbytes, kv_elements_per_token
+from mla.kv.accounting import cache_nbytes, kv_elements_per_token
 from mla.testing import tiny_decoder, tiny_tokenizer
 
 TOL = 1e-4

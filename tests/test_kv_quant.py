@@ -15,7 +15,7 @@ from mla.conversion.convert import convert_model
 from mla.errors import UserError
 from mla.evaluation.kv_bytes import measure_kv_bytes
 from mla.evaluation.kv_quant import KVQuant, make_cache, quantized_cache_losses
-from mla.kvcache import cache_nbytes, quantized_cache_bytes
+from mla.kv.accounting import cache_nbytes, quantized_cache_bytes
 from mla.modeling import MLACache, MLAQuantizedCache
 from mla.modeling.cache_mla import MLALatentLayer, MLAQuantizedLayer, QuantizedRows, _pack, _unpack
 from mla.testing import tiny_llama
@@ -262,7 +262,7 @@ def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_t
     import yaml
 
     from mla.config_schema import validated
-    from mla.kvcache import workflow_errors
+    from mla.kv.accounting import workflow_errors
 
     cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
     assert workflow_errors(cfg) == []                          # 24 divides every default width

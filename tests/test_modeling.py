@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla.conversion.convert import convert_model
-from mla.kvcache import cache_nbytes, kv_elements_per_token
+from mla.kv.accounting import cache_nbytes, kv_elements_per_token
 from mla.modeling import MLACache
 from mla.conversion.partial_rope import select_pairs
 from mla.testing import tiny_llama

@@ -5,7 +5,7 @@ import torch
 
 from mla.checkpoint import load_model, load_tokenizer
 from mla.conversion.convert import convert_model
-from mla.kvcache import cache_nbytes
+from mla.kv.accounting import cache_nbytes
 from mla.sources import expand_kv_heads
 
 pytestmark = pytest.mark.slow

@@ -170,7 +170,7 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
     from mla.conversion import shapes
     from mla.errors import UserError
     from mla.evaluation.kv_quant import quanto_missing
-    from mla.kvcache import FULL_PRECISION_BITS, cached_rows
+    from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
     from mla.modeling.cache_mla import cached_widths, check_quantization
 
     config = shapes.read_config(checkpoint)

@@ -47,7 +47,7 @@ def resident_bytes(model) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
-    from mla.kvcache import kv_elements_per_token
+    from mla.kv.accounting import kv_elements_per_token
 
     return kv_elements_per_token(model.config) * next(model.parameters()).element_size()
 
@@ -112,7 +112,7 @@ def point_memory(model, original, batch: int, context: int, steps: int, warmup: 
     tokens = context + steps + warmup + 1
     caches = mla_caches * batch * tokens * kv_bytes_per_token(model)
     if quant is not None:
-        from mla.kvcache import quantized_cache_bytes
+        from mla.kv.accounting import quantized_cache_bytes
 
         caches += quantized_cache_bytes(model.config, batch=batch, tokens=tokens, nbits=quant.nbits,
                                         group_size=quant.group_size, residual=quant.residual,

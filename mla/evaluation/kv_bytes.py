@@ -16,7 +16,7 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
     import torch
 
     from mla.evaluation.kv_quant import is_mla, make_cache
-    from mla.kvcache import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
+    from mla.kv.accounting import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
 
     if quant is not None:
         prompt_len += quant.residual

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mla.errors import UserError
-from mla.kvcache import FULL_PRECISION_BITS
+from mla.kv.accounting import FULL_PRECISION_BITS
 
 
 @dataclass(frozen=True)

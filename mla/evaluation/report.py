@@ -161,7 +161,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
 def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     """Bytes held after generate at each quantized width, and (with held-out blocks) the decoded losses."""
     from mla.evaluation import kv_bytes, kv_quant
-    from mla.kvcache import FULL_PRECISION_BITS
+    from mla.kv.accounting import FULL_PRECISION_BITS
 
     out = {"group_size": opts.kv_group_size, "residual": opts.kv_residual, "bytes": {}}
     for b in sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True):
@@ -182,7 +182,7 @@ def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
 def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
     """Pass-key retrieval with the full cache and each quantized width; LongBench when asked and online."""
     from mla.evaluation import kv_quant, longbench, needle
-    from mla.kvcache import FULL_PRECISION_BITS
+    from mla.kv.accounting import FULL_PRECISION_BITS
 
     out = {"needle": None, "longbench": None}
     lengths = needle.fitting_lengths(model, opts.needle_lengths)
@@ -217,7 +217,7 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
 def _decode_quant(model, opts: EvalOptions):
     """The cache an MLA model is also timed with: 4 bits when measured, else the smallest width."""
     from mla.evaluation import kv_quant
-    from mla.kvcache import FULL_PRECISION_BITS
+    from mla.kv.accounting import FULL_PRECISION_BITS
 
     widths = [b for b in opts.kv_bits if b != FULL_PRECISION_BITS]
     if not widths or not kv_quant.is_mla(model):

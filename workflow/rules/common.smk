@@ -11,7 +11,7 @@ from snakemake.exceptions import WorkflowError
 from mla import budgets, study
 from mla.config_schema import config_problems
 from mla.evaluation import mmlu
-from mla.kvcache import group_size_for
+from mla.kv.accounting import group_size_for
 from mla.training.config import workflow_options
 
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
