@@ -24,7 +24,8 @@ import yaml
 from mla import study
 from mla.checkpoint import load_model, load_tokenizer
 from mla.config_schema import validated
-from mla.evaluation import decode, kv_quant, report
+from mla.evaluation import decode, report
+from mla.kv import quantized
 from mla.evaluation.perplexity import load_blocks
 from mla.kv.accounting import group_size_for
 
@@ -64,11 +65,11 @@ def main() -> None:
         res = {"model": model_key, "start": start, "checkpoint": str(folder), "group_size": group,
                "losses": losses, "bytes": held,
                "needle": report.measure_long_context(model, tok, opts, log=lambda *_: None)["needle"] or {}}
-        if kv_quant.is_mla(model) and args.decode != "none":
+        if quantized.is_mla(model) and args.decode != "none":
             original = load_model(args.workdir / study.model_dir(model_key)).eval()
             res["decode"] = decode.decode_grid(model, decode.parse_grid(args.decode), steps=8, rounds=2,
                                                original=original, log=None,
-                                               quant=kv_quant.KVQuant(4, group, e["kv_residual"]))["grid"][0]
+                                               quant=quantized.KVQuant(4, group, e["kv_residual"]))["grid"][0]
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(res)
         bits = res["losses"]["bits"]

@@ -365,7 +365,7 @@ def decode_check(*, tiny: bool, device, d_kv: int, r: int, grid, steps: int, log
     import torch
 
     from mla.evaluation.decode import decode_grid
-    from mla.evaluation.kv_quant import KVQuant
+    from mla.kv.quantized import KVQuant
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     config = llama_config("llama-2-7b", tiny)

@@ -12,7 +12,8 @@ import torch
 
 from mla.cli import main
 from mla.conversion.convert import convert_model
-from mla.evaluation import decode, harness, kv_bytes
+from mla.evaluation import decode, harness
+from mla.kv import measure_bytes
 from mla.evaluation.perplexity import perplexity
 from mla.evaluation.report import TOP_LEVEL_FIELDS
 from mla.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
@@ -62,7 +63,7 @@ def test_measured_cache_bytes_match_formula(n_kv, d_kv):
     else:
         model, report = convert_model(model, d_kv=d_kv, strategy="high")
         expected_per_token = n_kv * (d_kv + 2 * report["r"]) * layers * 4  # latent + RoPE'd keys
-    res = kv_bytes.measure_kv_bytes(model, batch=3, prompt_len=10, new_tokens=5)
+    res = measure_bytes.measure_kv_bytes(model, batch=3, prompt_len=10, new_tokens=5)
     assert res["cached_tokens"] == 10 + 5 - 1
     assert res["cache_bytes"] == 3 * 14 * expected_per_token
     assert res["bytes_per_token_measured"] == expected_per_token == res["bytes_per_token_formula"]
@@ -518,11 +519,11 @@ def test_smollm2_cache_bytes_match_formula(smollm2):
     model, _ = smollm2
     c = model.config
     assert (c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == (30, 3, 64)
-    res = kv_bytes.measure_kv_bytes(model, batch=2, prompt_len=8, new_tokens=4)
+    res = measure_bytes.measure_kv_bytes(model, batch=2, prompt_len=8, new_tokens=4)
     assert res["bytes_per_token_measured"] == 30 * 2 * 3 * 64 * 4 and res["matches_formula"]
     mla, report = convert_model(model, d_kv=8, strategy="high")
     assert report["r"] == 4
-    res = kv_bytes.measure_kv_bytes(mla, batch=2, prompt_len=8, new_tokens=4)
+    res = measure_bytes.measure_kv_bytes(mla, batch=2, prompt_len=8, new_tokens=4)
     assert res["bytes_per_token_measured"] == 30 * 3 * (8 + 8) * 4 and res["matches_formula"]
 
 

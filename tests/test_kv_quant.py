@@ -13,8 +13,8 @@ import torch
 from mla.cli import main as mla_main
 from mla.conversion.convert import convert_model
 from mla.errors import UserError
-from mla.evaluation.kv_bytes import measure_kv_bytes
-from mla.evaluation.kv_quant import KVQuant, make_cache, quantized_cache_losses
+from mla.kv.measure_bytes import measure_kv_bytes
+from mla.kv.quantized import KVQuant, make_cache, quantized_cache_losses
 from mla.kv.accounting import cache_nbytes, quantized_cache_bytes
 from mla.modeling import MLACache, MLAQuantizedCache
 from mla.modeling.cache_mla import MLALatentLayer, MLAQuantizedLayer, QuantizedRows, _pack, _unpack

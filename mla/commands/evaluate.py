@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"batch of the KV-bytes generate (default {D.kv_batch})")
     p.add_argument("--kv-new-tokens", type=int, default=D.kv_new_tokens,
                    help=f"tokens generated for the KV-bytes check (default {D.kv_new_tokens})")
-    q = p.add_argument_group("quantized KV cache (paper Table 2; mla/evaluation/kv_quant.py)")
+    q = p.add_argument_group("quantized KV cache (paper Table 2; mla/kv/quantized.py)")
     q.add_argument("--kv-bits", default="none",
                    help="cache bit widths to measure, e.g. 16,8,4,2 (16 = unquantized; 'none' = skip, default): "
                         "bytes held after generate, held-out loss decoded against the cache, and (MLA) decode "
@@ -154,7 +154,7 @@ def _int_list(text: str, flag: str, example: str, minimum: int = 1) -> list[int]
 
 def _kv_bits(args) -> list[int]:
     from mla.errors import UserError
-    from mla.evaluation.kv_quant import check_bits
+    from mla.kv.quantized import check_bits
 
     bits = _int_list(args.kv_bits, "--kv-bits", "16,8,4,2")
     if not bits:
@@ -169,7 +169,7 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
     """Refuse, before the model loads, widths the checkpoint's cache cannot be quantized to."""
     from mla.conversion import shapes
     from mla.errors import UserError
-    from mla.evaluation.kv_quant import quanto_missing
+    from mla.kv.quantized import quanto_missing
     from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
     from mla.modeling.cache_mla import cached_widths, check_quantization
 

@@ -108,7 +108,7 @@ def step_transient_bytes(model, batch: int, tokens: int) -> int:
 def point_memory(model, original, batch: int, context: int, steps: int, warmup: int, *,
                  original_allocated: bool, mla_caches: int, quant=None) -> dict:
     """Bytes a grid point needs, and how many of them are not allocated yet (`to_allocate_bytes`);
-    `quant`: one more cache, quantized (kv_quant.KVQuant), of the model."""
+    `quant`: one more cache, quantized (mla.kv.quantized.KVQuant), of the model."""
     tokens = context + steps + warmup + 1
     caches = mla_caches * batch * tokens * kv_bytes_per_token(model)
     if quant is not None:
@@ -132,11 +132,11 @@ def point_memory(model, original, batch: int, context: int, steps: int, warmup: 
 
 
 def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None):
-    """A cache for `model` (its own, or quantized per `quant`, a kv_quant.KVQuant) whose every layer holds
+    """A cache for `model` (its own, or quantized per `quant`, a mla.kv.quantized.KVQuant) whose every layer holds
     `context` random entries per sequence, generated on the model's device in its dtype."""
     import torch
 
-    from mla.evaluation.kv_quant import make_cache
+    from mla.kv.quantized import make_cache
 
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
@@ -194,7 +194,7 @@ class _Stepper:
 def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, rounds: int = 2,
                 original=None, log=print, free_memory=None, quant=None) -> dict:
     """Measure `model` (absorbed and not, when MLA) and the original (given, or a random twin for MLA);
-    with `quant` (a kv_quant.KVQuant) an MLA model is also timed absorbed with that quantized cache
+    with `quant` (a mla.kv.quantized.KVQuant) an MLA model is also timed absorbed with that quantized cache
     (`mla_absorbed_q<bits>_tps`, and `speedup_q<bits>` against the original's full-precision cache).
 
     At each grid point the variants take turns, `rounds` times `steps // rounds` timed steps each, so a

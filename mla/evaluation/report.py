@@ -99,7 +99,8 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     import torch
 
     from mla.conversion.convert import count_parameters
-    from mla.evaluation import decode, harness, kv_bytes, perplexity
+    from mla.evaluation import decode, harness, perplexity
+    from mla.kv import measure_bytes
 
     cfg = model.config
     is_mla = getattr(cfg, "model_type", "") == "mla_llama"
@@ -119,7 +120,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
         log(f"evaluate: {name} done in {result['seconds'][name]:.1f}s")
         return value
 
-    result["kv_cache"] = stage("kv_cache", lambda: kv_bytes.measure_kv_bytes(
+    result["kv_cache"] = stage("kv_cache", lambda: measure_bytes.measure_kv_bytes(
         model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens))
     if opts.blocks:
         blocks = perplexity.load_blocks(opts.blocks, opts.split)
@@ -160,20 +161,20 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
 
 def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     """Bytes held after generate at each quantized width, and (with held-out blocks) the decoded losses."""
-    from mla.evaluation import kv_bytes, kv_quant
+    from mla.kv import measure_bytes, quantized
     from mla.kv.accounting import FULL_PRECISION_BITS
 
     out = {"group_size": opts.kv_group_size, "residual": opts.kv_residual, "bytes": {}}
     for b in sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True):
-        reason = kv_quant.unsupported(model, b)
+        reason = quantized.unsupported(model, b)
         if reason:
             out["bytes"][str(b)] = {"status": "skipped", "reason": reason}
             continue
-        out["bytes"][str(b)] = kv_bytes.measure_kv_bytes(
+        out["bytes"][str(b)] = measure_bytes.measure_kv_bytes(
             model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens,
-            quant=kv_quant.KVQuant(b, opts.kv_group_size, opts.kv_residual))
+            quant=quantized.KVQuant(b, opts.kv_group_size, opts.kv_residual))
     if blocks is not None:
-        out.update(kv_quant.quantized_cache_losses(
+        out.update(quantized.quantized_cache_losses(
             model, blocks, opts.kv_bits, group_size=opts.kv_group_size, residual=opts.kv_residual,
             scored=opts.kv_scored, max_blocks=opts.kv_blocks, batch_size=max(opts.ppl_batch_size, 8), log=log))
     return out
@@ -181,7 +182,8 @@ def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
 
 def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
     """Pass-key retrieval with the full cache and each quantized width; LongBench when asked and online."""
-    from mla.evaluation import kv_quant, longbench, needle
+    from mla.evaluation import longbench, needle
+    from mla.kv import quantized
     from mla.kv.accounting import FULL_PRECISION_BITS
 
     out = {"needle": None, "longbench": None}
@@ -197,13 +199,13 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
                 f"{model.config.max_position_embeddings} positions, skipped")
         out["needle"] = {}
         for b in sorted(set(opts.kv_bits) | {FULL_PRECISION_BITS}, reverse=True):
-            reason = kv_quant.unsupported(model, b)
+            reason = quantized.unsupported(model, b)
             if reason:
                 out["needle"][str(b)] = {"status": "skipped", "reason": reason}
                 continue
-            quant = kv_quant.KVQuant(b, opts.kv_group_size, opts.kv_residual)
+            quant = quantized.KVQuant(b, opts.kv_group_size, opts.kv_residual)
             res = needle.needle_accuracy(model, tokenizer, lengths=lengths, samples=opts.needle_samples,
-                                         seed=opts.needle_seed, generate_kwargs=kv_quant.generate_kwargs(model, quant))
+                                         seed=opts.needle_seed, generate_kwargs=quantized.generate_kwargs(model, quant))
             out["needle"][str(b)] = {"status": "ok", **res}
             log(f"evaluate: pass key, {b}-bit cache: {100 * res['mean']:.1f} ± {100 * res['mean_stderr']:.1f} %")
     if opts.longbench != "off":
@@ -216,13 +218,13 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
 
 def _decode_quant(model, opts: EvalOptions):
     """The cache an MLA model is also timed with: 4 bits when measured, else the smallest width."""
-    from mla.evaluation import kv_quant
+    from mla.kv import quantized
     from mla.kv.accounting import FULL_PRECISION_BITS
 
     widths = [b for b in opts.kv_bits if b != FULL_PRECISION_BITS]
-    if not widths or not kv_quant.is_mla(model):
+    if not widths or not quantized.is_mla(model):
         return None
-    return kv_quant.KVQuant(4 if 4 in widths else min(widths), opts.kv_group_size, opts.kv_residual)
+    return quantized.KVQuant(4 if 4 in widths else min(widths), opts.kv_group_size, opts.kv_residual)
 
 
 def write_json(result: dict, out: str | Path) -> Path:

@@ -9,13 +9,13 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
 
     bytes_per_token_measured = cache bytes / (batch · cached tokens). Full precision, the formula is
     kv_elements_per_token(config) · element size (2·n_kv·d_h·L for Llama, n_kv·(d_kv + 2r)·L for MLA).
-    With `quant` (a kv_quant.KVQuant) the prompt grows by the full-precision window, so that tokens are
-    quantized, and an MLA cache must hold exactly `kvcache.quantized_cache_bytes`; transformers' quanto
+    With `quant` (a mla.kv.quantized.KVQuant) the prompt grows by the full-precision window, so that tokens are
+    quantized, and an MLA cache must hold exactly `accounting.quantized_cache_bytes`; transformers' quanto
     cache (original models) is measured without a formula of ours.
     """
     import torch
 
-    from mla.evaluation.kv_quant import is_mla, make_cache
+    from mla.kv.quantized import is_mla, make_cache
     from mla.kv.accounting import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
 
     if quant is not None:
