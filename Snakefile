@@ -4,7 +4,7 @@
 #   snakemake --profile workflow/profiles/slurm --configfile configs/paper.yaml   # the paper, on SLURM
 #
 # Stages (one rule file each): download -> data -> calibrate -> convert -> finetune -> evaluate -> figures.
-# Rules only call `mla <verb>`; the science is in the `mla` package. Paths (mla/study.py):
+# Rules only call `mla <verb>`; the science is in the `mla` package. Paths (mla/study/experiments.py):
 #   results/convert/<model>/<conversion>, results/finetune/<model>/<start>/<recipe>/...,
 #   results/evaluate/<model>/{original,<start>/<recipe>}/eval.json, results/tables/<experiment>.*,
 #   logs/<rule>/<wildcards>.log, benchmarks/<rule>/<wildcards>.tsv
@@ -34,9 +34,9 @@ if "HF_TOKEN" in os.environ:
 
 
 check_config(config)  # schema (with defaults and descriptions) + cross-references; stops before any job
-# Every variant and the jobs it needs, keyed by what they compute (mla/study.py): a conversion or a
+# Every variant and the jobs it needs, keyed by what they compute (mla/study/experiments.py): a conversion or a
 # training run that several variants or experiments share is one job.
-STUDY = study.Study(config)
+STUDY = experiments.Study(config)
 
 wildcard_constraints:
     model=_alternatives(config["models"]),

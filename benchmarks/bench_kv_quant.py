@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mla import study
+from mla.study import experiments
 from mla.checkpoint import load_model, load_tokenizer
 from mla.config_schema import validated
 from mla.evaluation import decode, report
@@ -33,8 +33,8 @@ from mla.kv.accounting import group_size_for
 def checkpoints(workdir: Path, cfg: dict) -> list[tuple[str, str, Path]]:
     """(model, start, folder) of each original model and each fine-tuned checkpoint, once."""
     out = []
-    for model in dict.fromkeys(v.model for v in study.all_variants(cfg)):
-        out.append((model, "original", workdir / study.model_dir(model)))
+    for model in dict.fromkeys(v.model for v in experiments.all_variants(cfg)):
+        out.append((model, "original", workdir / experiments.model_dir(model)))
         for folder in sorted((workdir / "results" / "finetune" / model).glob("*/*/final")):
             out.append((model, folder.parent.parent.name, folder))
     return out
@@ -56,7 +56,7 @@ def main() -> None:
         t0 = time.perf_counter()
         model, tok = load_model(folder).eval(), load_tokenizer(folder)
         group = group_size_for(e, model_key)
-        blocks = load_blocks(args.workdir / "results" / "data" / study.root_model(cfg, model_key), "validation")
+        blocks = load_blocks(args.workdir / "results" / "data" / experiments.root_model(cfg, model_key), "validation")
         opts = report.EvalOptions(kv_bits=e["kv_bits"], kv_group_size=group, kv_residual=e["kv_residual"],
                                   kv_scored=e["kv_scored"], kv_blocks=e["kv_blocks"],
                                   needle_lengths=e["needle_lengths"], needle_samples=e["needle_samples"])
@@ -66,7 +66,7 @@ def main() -> None:
                "losses": losses, "bytes": held,
                "needle": report.measure_long_context(model, tok, opts, log=lambda *_: None)["needle"] or {}}
         if quantized.is_mla(model) and args.decode != "none":
-            original = load_model(args.workdir / study.model_dir(model_key)).eval()
+            original = load_model(args.workdir / experiments.model_dir(model_key)).eval()
             res["decode"] = decode.decode_grid(model, decode.parse_grid(args.decode), steps=8, rounds=2,
                                                original=original, log=None,
                                                quant=quantized.KVQuant(4, group, e["kv_residual"]))["grid"][0]

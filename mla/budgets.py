@@ -14,13 +14,13 @@ config check calls `budget_errors`; the data rule passes `train_tokens` / `valid
 
 from __future__ import annotations
 
-from mla import study
+from mla.study import experiments
 from mla.options import DEFAULT_VALIDATION_TOKENS
 
 
 def root_model(config: dict, model: str) -> str:
     """The model whose tokenizer (and data) `model` uses: derived models share their parent's."""
-    return study.root_model(config, model)
+    return experiments.root_model(config, model)
 
 
 def block_length(config: dict, model: str) -> int:
@@ -34,7 +34,7 @@ def needs(config: dict, model: str) -> list[tuple[int, str]]:
     root = root_model(config, model)
     length = block_length(config, root)
     out, calibrated = [], False
-    for v in study.Study(config).runs().values():
+    for v in experiments.Study(config).runs().values():
         if v.model not in config["models"] or root_model(config, v.model) != root:
             continue
         t = v.train

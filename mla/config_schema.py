@@ -88,7 +88,7 @@ def config_problems(cfg: dict) -> list[tuple[str, str]]:
 def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
     data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
-    from mla import study
+    from mla.study import experiments
     from mla.budgets import budget_errors
     from mla.kv.accounting import workflow_errors as kv_group_errors
     from mla.training.config import workflow_train_error
@@ -110,10 +110,10 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     for ename, exp in cfg["experiments"].items():
         if exp["model"] not in models:
             errors.append((f"experiments.{ename}.model", f"'{exp['model']}' is not a key of models"))
-    errors += study.variant_errors(cfg)
+    errors += experiments.variant_errors(cfg)
     if errors:
         return errors
-    for v in study.all_variants(cfg):
+    for v in experiments.all_variants(cfg):
         exp = cfg["experiments"][v.experiment]
         where = (f"experiments.{v.experiment}.overrides.{v.name}" if v.name in exp["overrides"]
                  else f"experiments.{v.experiment}.train" if exp["train"] else "train")

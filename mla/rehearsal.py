@@ -216,7 +216,8 @@ def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int
 
 def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
-    from mla import budgets, paper_numbers, study
+    from mla import budgets, paper_numbers
+    from mla.study import experiments
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)
     res = workdir / "results"
@@ -254,7 +255,7 @@ def check_outputs(workdir: Path) -> list[str]:
         if len(sources) != len(SMOLLM_SOURCES) or empty:
             problems.append(f"results/data/{root}: train sources {sorted(sources)}, without tokens {empty}; "
                             f"expected the {len(SMOLLM_SOURCES)} sources of the smollm mixture")
-    the_study = study.Study(cfg)
+    the_study = experiments.Study(cfg)
     for ename in cfg["experiments"]:
         for v in the_study.experiment(ename):
             t = v.train

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla import budgets, rehearsal, study
+from mla import budgets, rehearsal
+from mla.study import experiments
 from mla.sources import sha256_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +87,7 @@ def test_overlay_keeps_the_papers_code_paths_at_tiny_size():
     assert len({budgets.block_length(cfg, m) for m in cfg["models"]}) == 2  # per-model block lengths
     for ename, exp in cfg["experiments"].items():
         assert (exp["rope_strategy"], exp["svd"]) == ("2-norm", "joint")
-        for v in study.experiment_variants(cfg, ename):
+        for v in experiments.experiment_variants(cfg, ename):
             t = v.train
             assert (t["precision"], t["zero_stage"]) == ("bf16", 2)
             assert t["nproc"] == 2 and t["batch_size"] // (t["micro_batch_size"] * t["nproc"]) >= 2  # accumulation
@@ -124,7 +125,7 @@ def test_paper_config_still_plans_the_papers_jobs(tmp_path):
     assert (counts["convert"], counts["finetune"], counts["evaluate"], counts["evaluate_original"]) == (6, 8, 8, 2)
     cfg = rehearsal.load_config(PAPER)
     for ename, exp in cfg["experiments"].items():
-        for v in study.experiment_variants(cfg, ename):
+        for v in experiments.experiment_variants(cfg, ename):
             t = v.train
             line = next(li for li in out.splitlines() if f"--out {v.run_dir} " in li)
             assert ("--steps 12000 " in line and f"--global-batch {t['batch_size']} " in line
@@ -184,7 +185,7 @@ def test_paper_rehearsal_runs_and_checks_the_whole_dag(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     assert "paper-rehearsal: passed" in r.stdout
     # the checker is not vacuous: a paper task skipped in one evaluation fails it, naming the file
-    baseline = study.experiment_variants(rehearsal.load_config(PAPER, OVERLAY), "gqa2mla")[-1]
+    baseline = experiments.experiment_variants(rehearsal.load_config(PAPER, OVERLAY), "gqa2mla")[-1]
     ev = work / baseline.eval_path
     result = json.loads(ev.read_text())
     result["benchmarks"]["paper"] = {"status": "skipped", "reason": "HF_HUB_OFFLINE is set"}

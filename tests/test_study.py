@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from mla import budgets, study
+from mla import budgets
+from mla.study import experiments
 from mla.config_schema import validated
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ def config_of(path: str) -> dict:
 
 def test_short_form_names_labels_and_paths():
     cfg = default_config()
-    variants = study.experiment_variants(cfg, "gqa2mla")
+    variants = experiments.experiment_variants(cfg, "gqa2mla")
     assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
     assert [v.label for v in variants] == ["GQA2MLA d_kv = 8", "GQA2MLA d_kv = 16", "GQA2MLA d_kv = 32", "GQA"]
     v8 = variants[0]
@@ -47,7 +48,7 @@ def test_named_variants_with_their_own_settings_and_overrides():
                                       "label": "S_high + SVD_split"},
                        "rope-only": {"svd": "none", "rope_strategy": "uniform", "paper": "S_uniform"}}
     exp["overrides"] = {"dkv16": {"whiten": False}, "rope-only": {"r": 2}}
-    by_name = {v.name: v for v in study.experiment_variants(cfg, "gqa2mla")}
+    by_name = {v.name: v for v in experiments.experiment_variants(cfg, "gqa2mla")}
     assert list(by_name) == ["dkv8", "dkv16", "dkv32", "high-split", "rope-only", "baseline"]
     hs = by_name["high-split"]
     assert (hs.d_kv, hs.rope_strategy, hs.svd, hs.train["lr"], hs.label) == (8, "high", "split", 3e-4,
@@ -56,7 +57,7 @@ def test_named_variants_with_their_own_settings_and_overrides():
     assert by_name["dkv16"].conversion == "2-norm-r4-joint-dkv16"
     ro = by_name["rope-only"]
     assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none", "S_uniform")
-    assert study.variant_errors(cfg) == []
+    assert experiments.variant_errors(cfg) == []
 
 
 def test_identical_work_is_one_job_across_variants_and_experiments():
@@ -66,7 +67,7 @@ def test_identical_work_is_one_job_across_variants_and_experiments():
     cfg["experiments"]["again"] = copy.deepcopy(cfg["experiments"]["gqa2mla"])
     cfg["experiments"]["again"]["d_kv"] = [8]
     cfg["experiments"]["again"]["variants"] = {"same-as-16": {"d_kv": 16, "label": "another name"}}
-    s = study.Study(validated(cfg))
+    s = experiments.Study(validated(cfg))
     jobs = s.jobs()
     assert jobs["variants"] == 8 + 3
     assert jobs["runs"] == 8 and jobs["conversions"] == 6 and jobs["original_evaluations"] == 2
@@ -79,24 +80,24 @@ def test_identical_work_is_one_job_across_variants_and_experiments():
 
 def test_names_labels_and_mlflow_settings_are_not_part_of_any_job():
     cfg = default_config()
-    before = study.Study(cfg)
+    before = experiments.Study(cfg)
     renamed = copy.deepcopy(cfg)
     renamed["mlflow"] = {"experiment": "elsewhere", "tracking_uri": "sqlite:////tmp/other.db"}
     exp = renamed["experiments"].pop("gqa2mla")
     exp["variants"] = {}
     exp["overrides"] = {"dkv8": {"label": "eight"}, "baseline": {"label": "the baseline"}}
     renamed["experiments"]["renamed-panel"] = exp
-    after = study.Study(renamed)
+    after = experiments.Study(renamed)
     assert set(before.runs()) == set(after.runs()) and set(before.conversions()) == set(after.conversions())
     jobs = [p for p in before.targets() if p.startswith("results/evaluate")]
     assert jobs == [p for p in after.targets() if p.startswith("results/evaluate")]
     # a launch setting does not change the run either; a recipe setting does
     launch = copy.deepcopy(cfg)
     launch["train"]["nproc"], launch["train"]["micro_batch_size"] = 2, 2
-    assert set(study.Study(launch).runs()) == set(before.runs())
+    assert set(experiments.Study(launch).runs()) == set(before.runs())
     recipe = copy.deepcopy(cfg)
     recipe["train"]["lr"] = 2e-4
-    assert not set(study.Study(recipe).runs()) & set(before.runs())
+    assert not set(experiments.Study(recipe).runs()) & set(before.runs())
 
 
 @pytest.mark.parametrize("change, key, message", [
@@ -112,17 +113,17 @@ def test_names_labels_and_mlflow_settings_are_not_part_of_any_job():
 def test_bad_variants_are_named(change, key, message):
     cfg = default_config()
     cfg["experiments"]["gqa2mla"].update(change)
-    errors = study.variant_errors(validated(cfg))
+    errors = experiments.variant_errors(validated(cfg))
     assert any(k == key and message in m for k, m in errors), errors
 
 
 def test_the_ablation_configs_express_the_papers_ablations():
-    rope = study.Study(config_of("configs/ablation-rope.yaml"))
+    rope = experiments.Study(config_of("configs/ablation-rope.yaml"))
     vs = rope.experiment("ablation-rope")
     assert [v.rope_strategy for v in vs if not v.is_baseline] == ["high", "low", "uniform", "2-norm"]
     assert {(v.svd, v.r, v.d_kv) for v in vs if not v.is_baseline} == {("none", 4, None)}
     assert vs[-1].is_baseline
-    svd = study.Study(config_of("configs/ablation-svd.yaml"))
+    svd = experiments.Study(config_of("configs/ablation-svd.yaml"))
     vs = [v for v in svd.experiment("ablation-svd") if not v.is_baseline]
     assert {(v.svd, v.whiten) for v in vs} == {("joint", False), ("split", False), ("joint", True), ("split", True)}
     assert sorted({v.d_kv for v in vs}) == [8, 16]
@@ -136,9 +137,9 @@ def test_the_default_mha_panel_compresses_by_the_papers_fractions_of_d_h():
     """Paper, Llama-2-7B (d_h 128): d_kv 16/32/64 = d_h/8, /4, /2; the default's SmolLM2 has d_h 64."""
     cfg = default_config()
     d_h = 64
-    assert [v.d_kv / d_h for v in study.experiment_variants(cfg, "mha2mla") if v.d_kv] == [1 / 8, 1 / 4, 1 / 2]
+    assert [v.d_kv / d_h for v in experiments.experiment_variants(cfg, "mha2mla") if v.d_kv] == [1 / 8, 1 / 4, 1 / 2]
     paper = config_of("configs/paper.yaml")
-    assert [v.d_kv / 128 for v in study.experiment_variants(paper, "mha2mla") if v.d_kv] == [1 / 8, 1 / 4, 1 / 2]
+    assert [v.d_kv / 128 for v in experiments.experiment_variants(paper, "mha2mla") if v.d_kv] == [1 / 8, 1 / 4, 1 / 2]
 
 
 # ---------------------------------------------------------------- svd: none (partial RoPE only)

@@ -81,7 +81,7 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
     """(config key, message) for each variant whose cached rows `evaluate.kv_group_size` does not divide,
     found at parse time rather than in an evaluation job after its training (arithmetic only: the same
     rule as mla/modeling/cache_mla.check_quantization, without importing torch)."""
-    from mla import study
+    from mla.study import experiments
     from mla.training.memory import model_config
 
     e = config["evaluate"]
@@ -89,7 +89,7 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
     if not bits:
         return []
     errors, seen = [], set()
-    for v in study.all_variants(config):
+    for v in experiments.all_variants(config):
         if v.is_baseline or (v.model, v.d_kv, v.r) in seen:
             continue
         seen.add((v.model, v.d_kv, v.r))

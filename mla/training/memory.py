@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mla.conversion import shapes
-from mla import study
+from mla.study import experiments
 from mla.errors import UserError
 from mla.options import DEFAULT_SVD
 
@@ -356,7 +356,7 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
                   offload=bool(train.get("offload_optimizer", False)), precision=train["precision"],
                   gpu_memory_bytes=gpu_bytes)
     plans = {}
-    for v in study.experiment_variants(config, ename):
+    for v in experiments.experiment_variants(config, ename):
         if v.is_baseline:
             plans[v.name] = plan_training(cfg_model, **common)
             continue
@@ -389,7 +389,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
             print(f"warning: no config.json at hand for model '{exp['model']}' (experiment {ename}): its training "
                   "jobs are not checked against train.gpu_memory_gb", file=sys.stderr)
             continue
-        root = config["models"][study.root_model(config, exp["model"])]
+        root = config["models"][experiments.root_model(config, exp["model"])]
         seq = root.get("block_length", config.get("data", {}).get("block_length", 128))
         try:
             plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb))

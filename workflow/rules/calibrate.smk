@@ -12,7 +12,7 @@ rule calibrate:
         model=lambda wc: model_dir(wc.model),
         data=lambda wc: data_dir(wc.model),
     output:
-        **study.calibration_files("{model}"),
+        **experiments.calibration_files("{model}"),
     params:
         samples=config["calibrate"]["samples"],
         heldout=config["calibrate"]["heldout_samples"],

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from mla import budgets, study
+from mla import budgets
+from mla.study import experiments
 from mla.config_schema import config_problems
 from mla.evaluation import mmlu
 from mla.kv.accounting import group_size_for
@@ -32,7 +33,7 @@ def check_config(cfg):
     return cfg
 
 
-# ---------------------------------------------------------------- names (all from mla.study)
+# ---------------------------------------------------------------- names (all from mla.study.experiments)
 def root_model(name):
     """The model whose tokenizer (and data) a model uses: derived models share their parent's."""
     return budgets.root_model(config, name)
@@ -50,7 +51,7 @@ def block_length(model):
     return budgets.block_length(config, model)
 
 
-model_dir = study.model_dir
+model_dir = experiments.model_dir
 
 
 def data_dir(model):
@@ -99,13 +100,13 @@ def data_args(wc):
 
 # ---------------------------------------------------------------- calibrate and convert rules
 def convert_inputs(wc):
-    return {"model": model_dir(wc.model), **study.calibration_files(wc.model)}
+    return {"model": model_dir(wc.model), **experiments.calibration_files(wc.model)}
 
 
 def convert_args(wc):
     # params depend on wildcards only: Snakemake compares them with the last run (rerun trigger)
     v = STUDY.conversion(wc.model, wc.conversion)
-    calib = study.calibration_files(wc.model)
+    calib = experiments.calibration_files(wc.model)
     args = ["--rope-strategy", v.rope_strategy, "--svd", v.svd]
     if v.d_kv is not None:
         args += ["--d-kv", v.d_kv]
@@ -125,7 +126,7 @@ def _run(wc):
 
 def start_checkpoint(wc):
     """What a fine-tuning run starts from: the converted model, or the original for the baseline."""
-    return model_dir(wc.model) if wc.start == "baseline" else study.convert_dir(wc.model, wc.start)
+    return model_dir(wc.model) if wc.start == "baseline" else experiments.convert_dir(wc.model, wc.start)
 
 
 def finetune_nodes(wc):

@@ -1,5 +1,5 @@
 # Original checkpoint -> MLA checkpoint, once per (model, partial-RoPE + SVD settings): partial RoPE +
-# low-rank init. Variants of any experiment with the same settings share it (mla/study.py).
+# low-rank init. Variants of any experiment with the same settings share it (mla/study/experiments.py).
 
 
 rule convert:

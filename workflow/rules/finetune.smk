@@ -20,7 +20,7 @@ if not workflow.remote_exec:
 
 
 # One job per (model, start, recipe): variants and experiments with the same start checkpoint and recipe
-# share it (mla/study.py). The MLflow run is named after the job, not after any variant; the table rule
+# share it (mla/study/experiments.py). The MLflow run is named after the job, not after any variant; the table rule
 # tags it with the experiments and labels it appears under.
 rule finetune:
     input:
@@ -31,7 +31,7 @@ rule finetune:
         metrics="results/finetune/{model}/{start}/{recipe}/metrics.csv",
         run="results/finetune/{model}/{start}/{recipe}/run.json",
     params:
-        out=lambda wc: study.run_dir(wc.model, wc.start, wc.recipe),
+        out=lambda wc: experiments.run_dir(wc.model, wc.start, wc.recipe),
         args=finetune_args,
         ckpt_root=lambda wc: f"results/checkpoints/{wc.model}/{wc.start}/{wc.recipe}",
     log:
