@@ -89,7 +89,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
     data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
     from mla.study import experiments
-    from mla.budgets import budget_errors
+    from mla.study.budgets import budget_errors
     from mla.kv.accounting import workflow_errors as kv_group_errors
     from mla.training.config import workflow_train_error
     from mla.training.memory import memory_errors

@@ -16,7 +16,7 @@
    `--configfile configs/paper.yaml configs/paper-rehearsal.yaml` (the overlay changes sizes only).
 3. Checks of the outputs: every evaluation, table and figure; the paper tasks scored (numbers, not
    "skipped"); training with the paper's process count > 1, bf16, gradient accumulation and ZeRO stage;
-   data holding exactly the budgets of `mla.budgets`. Any failure: exit status 1 and the reasons.
+   data holding exactly the budgets of `mla.study.budgets`. Any failure: exit status 1 and the reasons.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int
 
 def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
-    from mla import budgets, paper_numbers
+    from mla.study import budgets
+    from mla import paper_numbers
     from mla.study import experiments
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)

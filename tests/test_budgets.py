@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from mla.budgets import budget_errors, train_tokens, validation_tokens
+from mla.study.budgets import budget_errors, train_tokens, validation_tokens
 from mla.config_schema import validated
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -292,7 +292,7 @@ def test_the_default_config_gets_its_validation_budget_at_70_30(smollm2_dir, tmp
     configured shares (enough held-out prose at data.validation_fraction), and train what the experiments need."""
     import yaml
 
-    from mla import budgets
+    from mla.study import budgets
 
     config = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())
     d = config["data"]

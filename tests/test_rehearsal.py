@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla import budgets, rehearsal
+from mla.study import budgets
+from mla import rehearsal
 from mla.study import experiments
 from mla.sources import sha256_of
 

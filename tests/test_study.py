@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from mla import budgets
+from mla.study import budgets
 from mla.study import experiments
 from mla.config_schema import validated
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from mla import budgets
+from mla.study import budgets
 from mla.study import experiments
 from mla.config_schema import config_problems
 from mla.evaluation import mmlu

@@ -1,5 +1,5 @@
 # Text sources -> tokenized, packed token blocks (train / validation), once per tokenizer. The token budgets
-# follow from the experiments (mla.budgets); an interrupted job resumes from its last checkpoint on rerun.
+# follow from the experiments (mla.study.budgets); an interrupted job resumes from its last checkpoint on rerun.
 
 
 rule data:
