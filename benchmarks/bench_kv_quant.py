@@ -23,7 +23,7 @@ import yaml
 
 from mla.study import experiments
 from mla.checkpoint import load_model, load_tokenizer
-from mla.config_schema import validated
+from mla.study.config_schema import validated
 from mla.evaluation import decode, report
 from mla.kv import quantized
 from mla.evaluation.perplexity import load_blocks

@@ -1,6 +1,6 @@
 """Choices and defaults that the CLI, the conversion, the study and the workflow schema share, defined once
 here (torch-free, so the Snakefile and `mla --help` import it cheaply). The schema's lists are filled from
-these by mla.config_schema; the recipe's defaults live in mla.training.config.TrainConfig."""
+these by mla.study.config_schema; the recipe's defaults live in mla.training.config.TrainConfig."""
 
 ROPE_STRATEGIES = ("high", "low", "uniform", "2-norm")
 DEFAULT_ROPE_STRATEGY = "2-norm"       # the paper's S_2-norm (needs `mla calibrate` scores)

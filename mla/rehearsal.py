@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from mla.config_schema import validated
+from mla.study.config_schema import validated
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = "configs/paper.yaml"

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from mla.study.budgets import budget_errors, train_tokens, validation_tokens
-from mla.config_schema import validated
+from mla.study.config_schema import validated
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from mla.config_schema import config_problems, dotted_key, schema_problems, validated
+from mla.study.config_schema import config_problems, dotted_key, schema_problems, validated
 
 
 def _default_config():

@@ -261,7 +261,7 @@ def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_t
 
     import yaml
 
-    from mla.config_schema import validated
+    from mla.study.config_schema import validated
     from mla.kv.accounting import workflow_errors
 
     cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))

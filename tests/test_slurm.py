@@ -177,7 +177,7 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
 def smoke_variant(experiment: str, name: str, config: dict | None = None):
     """A variant of the smoke config (or `config`), with the paths the workflow gives its jobs (mla.study.experiments)."""
     from mla.study import experiments
-    from mla.config_schema import validated
+    from mla.study.config_schema import validated
 
     cfg = validated(config or yaml.safe_load(SMOKE.read_text()))
     return next(v for v in experiments.experiment_variants(cfg, experiment) if v.name == name)

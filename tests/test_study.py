@@ -14,7 +14,7 @@ import yaml
 
 from mla.study import budgets
 from mla.study import experiments
-from mla.config_schema import validated
+from mla.study.config_schema import validated
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ ONE_THREAD = ["--set-threads", *(f"{r}=1" for r in ("download", "data", "calibra
 def smoke_study(cfg: dict | None = None):
     """Variants of the smoke config (or `cfg`) with the paths the workflow gives their jobs (mla.study.experiments)."""
     from mla.study import experiments
-    from mla.config_schema import validated
+    from mla.study.config_schema import validated
 
     return experiments.Study(validated(cfg or yaml.safe_load(SMOKE.read_text())))
 

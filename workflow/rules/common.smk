@@ -10,7 +10,7 @@ from snakemake.exceptions import WorkflowError
 
 from mla.study import budgets
 from mla.study import experiments
-from mla.config_schema import config_problems
+from mla.study.config_schema import config_problems
 from mla.evaluation import mmlu
 from mla.kv.accounting import group_size_for
 from mla.training.config import workflow_options
