@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from mla.conversion import shapes
-from mla.options import DEFAULT_VALIDATION_FRACTION
+from mla.study.options import DEFAULT_VALIDATION_FRACTION
 from mla.training import memory
 
 # dense bf16 tensor-core peak FLOP/s by GPU name (first match wins; datasheet values, no sparsity)

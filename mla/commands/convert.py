@@ -1,6 +1,6 @@
 """`mla convert`: MHA/GQA checkpoint -> MLA checkpoint (+ conversion.json)."""
 
-from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, ROPE_STRATEGIES, SVD_METHODS
+from mla.study.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, ROPE_STRATEGIES, SVD_METHODS
 
 HELP = "convert a Llama-family checkpoint to Multi-head Latent Attention (partial RoPE + SVD)"
 

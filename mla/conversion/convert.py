@@ -21,7 +21,7 @@ from mla.conversion import lowrank
 from mla.conversion import shapes
 from mla.conversion import partial_rope
 from mla.errors import UserError
-from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+from mla.study.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
 
 def _mla_config(src_config, kv_lora_rank: int, pairs: torch.Tensor, split: bool, provenance: dict):

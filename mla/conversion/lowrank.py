@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla.options import DEFAULT_SVD, SVD_METHODS as METHODS
+from mla.study.options import DEFAULT_SVD, SVD_METHODS as METHODS
 
 
 @dataclass

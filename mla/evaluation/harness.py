@@ -47,7 +47,7 @@ import socket
 from pathlib import Path
 
 from mla.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
-from mla.options import DEFAULT_VALIDATION_FRACTION
+from mla.study.options import DEFAULT_VALIDATION_FRACTION
 
 # paper column -> lm-eval task(s) whose acc_norm (acc where absent) make the column
 PAPER_TASKS = {

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mla.options import DEFAULT_VALIDATION_FRACTION
+from mla.study.options import DEFAULT_VALIDATION_FRACTION
 
 SCHEMA = "mla.evaluation/1"
 TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",

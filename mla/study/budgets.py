@@ -15,7 +15,7 @@ config check calls `budget_errors`; the data rule passes `train_tokens` / `valid
 from __future__ import annotations
 
 from mla.study import experiments
-from mla.options import DEFAULT_VALIDATION_TOKENS
+from mla.study.options import DEFAULT_VALIDATION_TOKENS
 
 
 def root_model(config: dict, model: str) -> str:

@@ -26,7 +26,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from mla.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+from mla.study.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).

@@ -67,7 +67,7 @@ from pathlib import Path
 from mla.conversion import shapes
 from mla.study import experiments
 from mla.errors import UserError
-from mla.options import DEFAULT_SVD
+from mla.study.options import DEFAULT_SVD
 
 GB = 10**9
 HEADROOM_FRACTION = 0.10         # of the GPU, kept for CUDA context, NCCL and fragmentation
