@@ -462,7 +462,7 @@ def test_evaluate_cli_json_has_every_field(mla_dir, blocks_npy, tmp_path, monkey
     assert not res0["is_mla"] and res0["d_kv"] is None and res0["decode"] is None
     assert res0["kv_cache"]["bytes_per_token_measured"] == 2 * 2 * D_H * 2 * 4
 
-    from mla.tables import Variant, build_table
+    from mla.study.tables import Variant, build_table
 
     header, rows = build_table([Variant("original", eval=out0), Variant("dkv4", eval=out)])
     kv_col = header.index("KV mem. change %")

@@ -10,7 +10,7 @@ import pytest
 
 from mla import paper_numbers
 from mla.cli import main
-from mla.tables import Variant, build_table, final_loss
+from mla.study.tables import Variant, build_table, final_loss
 
 
 def test_paper_numbers_are_consistent():
@@ -81,7 +81,7 @@ def test_final_loss_is_mean_of_last_steps(experiment):
 @pytest.mark.parametrize("text, message", [("", "empty, no 'loss' column"), ("step,lr\n1,0.1\n", "no 'loss' column"),
                                            ("step,loss\n1,nan\n", "no finite loss values")])
 def test_a_metrics_file_without_losses_names_the_cause(tmp_path, text, message):
-    from mla.tables import TableInputError
+    from mla.study.tables import TableInputError
 
     metrics = tmp_path / "metrics.csv"
     metrics.write_text(text)

@@ -106,7 +106,7 @@ def _paper_key(key: str, paper_model: str | None, variant: str | None):
 def run(args) -> int:
     from mla import paper_numbers
     from mla.errors import UserError
-    from mla.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
+    from mla.study.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
 
     if args.spec and args.items:
         raise UserError("give either --spec or --variant ..., not both")
