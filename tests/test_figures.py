@@ -9,7 +9,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 from mla.cli import main
-from mla.figures import (BASELINE_COLOUR, MLA_COLOURS, Panel, Run, loss_figure, read_loss_curve,
+from mla.study.figures import (BASELINE_COLOUR, MLA_COLOURS, Panel, Run, loss_figure, read_loss_curve,
                          smooth)
 
 
@@ -46,7 +46,7 @@ def test_smooth_is_debiased_ema():
 def test_cli_panels_runs_labels_colours(runs, tmp_path, monkeypatch):
     gqa, mha = runs
     captured = {}
-    import mla.figures as figures
+    import mla.study.figures as figures
 
     real = figures.loss_figure
 
@@ -111,7 +111,7 @@ def test_spec_file_and_single_panel(runs, tmp_path):
 
 
 def test_more_runs_than_colours_are_graded():
-    from mla.figures import mla_colours
+    from mla.study.figures import mla_colours
     from matplotlib.colors import to_rgb
 
     cols = mla_colours(5)
@@ -167,7 +167,7 @@ def test_sweep_runs_keep_their_order_labels_and_kv_saving(tmp_path):
     saving of each conversion.json in its legend entry; two runs with one label are refused."""
     import json
 
-    from mla.figures import FigureInputError, ordered_runs, panel_from_dict, run_label
+    from mla.study.figures import FigureInputError, ordered_runs, panel_from_dict, run_label
 
     runs, conv = [], tmp_path / "conversion.json"
     conv.write_text(json.dumps({"kv_reduction_percent": 81.25}))

@@ -114,7 +114,7 @@ def log_summary_artifacts(tracking_uri: str, experiment: str, run_name: str, pat
 
 def run(args) -> int:
     from mla.errors import UserError
-    from mla.figures import FigureInputError, loss_figure, panel_from_dict, save_figure
+    from mla.study.figures import FigureInputError, loss_figure, panel_from_dict, save_figure
 
     if args.spec and args.items:
         raise UserError("give either --spec or --panel/--kind/--run, not both")
