@@ -190,7 +190,7 @@ def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int
     """An experiment's table: one row per checkpoint and per quantized-cache width, every paper task a number."""
     import csv
 
-    from mla import paper_numbers
+    from mla.study import paper_numbers
 
     problems = []
     rows = list(csv.DictReader(table.open()))
@@ -217,7 +217,7 @@ def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int
 def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
     from mla.study import budgets
-    from mla import paper_numbers
+    from mla.study import paper_numbers
     from mla.study import experiments
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)

@@ -345,7 +345,7 @@ def _eval_json(path, mmlu_cloze=None, paper_scores=None):
 
 
 def test_table_puts_mmlu_cloze_beside_the_papers_mmlu(tmp_path):
-    from mla import paper_numbers
+    from mla.study import paper_numbers
     from mla.study.tables import Variant, build_table, table_notes, to_markdown
 
     cloze = {"acc_norm": 0.3125, "acc_norm_stderr": 0.0204, "questions": 570, "seed": 1234}

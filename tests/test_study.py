@@ -127,7 +127,7 @@ def test_the_ablation_configs_express_the_papers_ablations():
     vs = [v for v in svd.experiment("ablation-svd") if not v.is_baseline]
     assert {(v.svd, v.whiten) for v in vs} == {("joint", False), ("split", False), ("joint", True), ("split", True)}
     assert sorted({v.d_kv for v in vs}) == [8, 16]
-    from mla import paper_numbers
+    from mla.study import paper_numbers
 
     for v in [*vs, *rope.variants]:   # every paper row a variant names exists
         assert v.paper is None or paper_numbers.paper_row("SmolLM-135M", v.paper) is not None, v

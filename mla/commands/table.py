@@ -91,7 +91,7 @@ def load_spec(path: str) -> dict:
 
 def _paper_key(key: str, paper_model: str | None, variant: str | None):
     """--paper-row KEY as paper_numbers knows it (int d_kv, name) or None; an unknown key is an error."""
-    from mla import paper_numbers
+    from mla.study import paper_numbers
     from mla.errors import UserError
 
     if key.lower() == "none" or paper_model is None:
@@ -104,7 +104,7 @@ def _paper_key(key: str, paper_model: str | None, variant: str | None):
 
 
 def run(args) -> int:
-    from mla import paper_numbers
+    from mla.study import paper_numbers
     from mla.errors import UserError
     from mla.study.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mla import paper_numbers
+from mla.study import paper_numbers
 
 FINAL_LOSS_STEPS = 10
 SPECIAL_VARIANTS = ("original", "baseline")
