@@ -1,4 +1,4 @@
-"""MLflow browsing: runs logged the way the project logs them (mla.tracking) are visible in the
+"""MLflow browsing: runs logged the way the project logs them (mla.study.tracking) are visible in the
 MLflow web UI, loaded by headless Chromium from a real `mlflow server` on 127.0.0.1."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A sqlite store with two runs of one experiment, each with a 20-step loss history."""
-    from mla import tracking
+    from mla.study import tracking
 
     folder = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{folder}/mlflow.db"

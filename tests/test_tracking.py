@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mla import tracking
+from mla.study import tracking
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def run(args) -> int:
 
 def tag_runs(tracking_uri: str, study: str, variants: list[dict]) -> None:
     """Tag each variant's (possibly shared) training run with the experiment and label it appears under."""
-    from mla import tracking
+    from mla.study import tracking
 
     for v in variants:
         if not v.get("run_json"):

@@ -296,7 +296,7 @@ def flat_metrics(result: dict) -> dict:
 def log_to_mlflow(result: dict, json_path: Path, *, tracking_uri: str | None, run_id: str | None = None,
                   experiment: str | None = None, run_name: str | None = None) -> str | None:
     """Log the scalar metrics and the JSON to the variant's run (found by id, or by experiment + name)."""
-    from mla import tracking
+    from mla.study import tracking
 
     opened = run_id is None
     if opened:

@@ -24,11 +24,11 @@ EVALUATE_DEFAULTS_FROM_CLI = ("local_docs", "mmlu", "mmlu_seed", "paper_limit", 
 def load_schema() -> dict:
     """The YAML schema with the lists and defaults that the package defines filled in (mla.study.options for
     the strategies and model sources, TrainConfig for the recipe's paper defaults and the
-    MLflow experiment, mla.tracking for the store, EvalOptions for the evaluation's)."""
+    MLflow experiment, mla.study.tracking for the store, EvalOptions for the evaluation's)."""
     from mla.evaluation.report import EvalOptions
     from mla.study.options import (DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS,
                              MODEL_SOURCES, ROPE_STRATEGIES, SVD_METHODS)
-    from mla.tracking import DEFAULT_TRACKING_URI
+    from mla.study.tracking import DEFAULT_TRACKING_URI
     from mla.training.config import TrainConfig
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from mla import atomic, tracking
+from mla import atomic
+from mla.study import tracking
 from mla.errors import UserError
 from mla.training.schedule import warmup_constant_sqrt_decay
 
