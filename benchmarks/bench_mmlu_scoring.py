@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
         model, tokenizer, name = load_model(args.model).eval(), load_tokenizer(args.model), args.model
     else:
-        from mla.testing import tiny_llama, tiny_tokenizer
+        from mla.tiny_models import tiny_llama, tiny_tokenizer
 
         model, tokenizer, name = tiny_llama(), tiny_tokenizer(), "tiny random Llama"
     questions = mmlu.sample(args.questions, args.seed)

@@ -42,7 +42,7 @@ def model_dir(arg: str | None, work: Path) -> Path:
     # random init of the embedded SmolLM-135M shape, with the tiny tokenizer (data only needs ids < vocab)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mla.testing import tiny_tokenizer
+    from mla.tiny_models import tiny_tokenizer
 
     cfg = json.loads((Path(__file__).resolve().parents[1] / "mla" / "shapes" / "smollm-135m.json").read_text())
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("model_type", "architectures")}

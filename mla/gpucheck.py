@@ -204,7 +204,7 @@ def training_throughput(work: Path, *, tiny: bool, device: str, steps: int, micr
     import torch
 
     from mla.data import build_dataset
-    from mla.testing import tiny_tokenizer
+    from mla.tiny_models import tiny_tokenizer
 
     config = llama_config("smollm-135m", tiny)
     model_dir, data_dir, out_dir = work / "smollm-shaped", work / "data", work / "train"

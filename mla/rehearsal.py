@@ -88,11 +88,11 @@ def tiny_hub_model(out: Path, *, num_kv_heads: int, dtype: str, seed: int) -> Pa
     """A tiny random Llama (hidden 64, 2 layers, 4 query heads) with a real small tokenizer, in `dtype`."""
     import torch
 
-    from mla import testing
+    from mla import tiny_models
 
-    model = testing.tiny_llama(num_kv_heads=num_kv_heads, seed=seed, **TINY)
+    model = tiny_models.tiny_llama(num_kv_heads=num_kv_heads, seed=seed, **TINY)
     model.to(getattr(torch, dtype)).save_pretrained(out)
-    testing.tiny_tokenizer(model.config.vocab_size).save_pretrained(out)
+    tiny_models.tiny_tokenizer(model.config.vocab_size).save_pretrained(out)
     return out
 
 

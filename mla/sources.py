@@ -230,10 +230,10 @@ def download(source: str, out: str | Path, *, repo_id: str | None = None, revisi
             raise UserError("--source mha-from-gqa needs --path (a GQA checkpoint folder)")
         mha_from_gqa(Path(path), out)
     elif source == "tiny-random":
-        from mla import testing
+        from mla import tiny_models
 
         with atomic.staged(out, folder=True) as tmp:
-            testing.save_tiny_checkpoint(tmp, **tiny_kwargs)
+            tiny_models.save_tiny_checkpoint(tmp, **tiny_kwargs)
     else:
         raise UserError(f"unknown model source {source!r}; choose one of {', '.join(MODEL_SOURCES)}")
     return out

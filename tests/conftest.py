@@ -13,7 +13,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A random tiny GQA Llama (4 query heads, 2 KV heads) with a real small tokenizer."""
-    from mla.testing import save_tiny_checkpoint
+    from mla.tiny_models import save_tiny_checkpoint
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "gqa", num_kv_heads=2)
 
@@ -21,7 +21,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """The tiny tests' real small tokenizer, saved as a folder (what `mla data --tokenizer` reads)."""
-    from mla.testing import tiny_tokenizer
+    from mla.tiny_models import tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tok")
     tiny_tokenizer().save_pretrained(path)
@@ -30,7 +30,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_mha_checkpoint(tmp_path_factory):
-    from mla.testing import save_tiny_checkpoint
+    from mla.tiny_models import save_tiny_checkpoint
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "mha", num_kv_heads=4)
 

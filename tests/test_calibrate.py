@@ -8,7 +8,7 @@ import torch
 
 from mla.conversion import calibrate
 from mla.cli import main
-from mla.testing import tiny_llama
+from mla.tiny_models import tiny_llama
 
 
 @torch.no_grad()

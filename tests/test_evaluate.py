@@ -17,7 +17,7 @@ from mla.kv import measure_bytes
 from mla.evaluation.perplexity import perplexity
 from mla.evaluation.report import TOP_LEVEL_FIELDS
 from mla.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
-from mla.testing import tiny_llama, tiny_tokenizer
+from mla.tiny_models import tiny_llama, tiny_tokenizer
 
 D_H = 16  # tiny_llama: hidden 64, 4 query heads
 

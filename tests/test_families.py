@@ -16,7 +16,7 @@ from mla.conversion import shapes
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.errors import UserError
 from mla.kv.accounting import cache_nbytes, kv_elements_per_token
-from mla.testing import tiny_decoder, tiny_tokenizer
+from mla.tiny_models import tiny_decoder, tiny_tokenizer
 
 TOL = 1e-4
 HEAD_DIM = 16                      # tiny_decoder: hidden 64 over 4 query heads

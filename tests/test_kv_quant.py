@@ -18,7 +18,7 @@ from mla.kv.quantized import KVQuant, make_cache, quantized_cache_losses
 from mla.kv.accounting import cache_nbytes, quantized_cache_bytes
 from mla.modeling import MLACache, MLAQuantizedCache
 from mla.modeling.cache_mla import MLALatentLayer, MLAQuantizedLayer, QuantizedRows, _pack, _unpack
-from mla.testing import tiny_llama
+from mla.tiny_models import tiny_llama
 
 GROUP, RESIDUAL = 8, 4
 
@@ -217,7 +217,7 @@ def test_quantized_cache_formula_counts_the_window_in_full_precision():
 def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
     from mla.checkpoint import load_model
     from mla.conversion.convert import convert_checkpoint
-    from mla.testing import save_tiny_checkpoint
+    from mla.tiny_models import save_tiny_checkpoint
 
     src = save_tiny_checkpoint(tmp_path / "gqa", num_kv_heads=2)
     convert_checkpoint(src, tmp_path / "mla", d_kv=8, r=2, strategy="uniform")

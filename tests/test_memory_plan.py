@@ -64,7 +64,7 @@ def test_estimator_inputs_equal_the_built_model(tie, mla):
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     from mla.conversion.convert import convert_model
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     model = tiny_llama(num_kv_heads=2, tie_word_embeddings=tie, vocab_size=96)   # vocab small: MLP is largest
     latent = None

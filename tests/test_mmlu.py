@@ -22,7 +22,7 @@ from mla.evaluation import harness, mmlu
 from mla.evaluation.report import flat_metrics
 from mla.evaluation.shared_context import SharedContextLM, context_batches, count_tokens, split_rows
 from mla.modeling.modeling_mla import MLACache
-from mla.testing import tiny_llama, tiny_tokenizer
+from mla.tiny_models import tiny_llama, tiny_tokenizer
 
 LL_TOLERANCE = 1e-4
 MAX_TOKEN_RATIO = 0.4

@@ -24,14 +24,14 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tok():
-    from mla.testing import tiny_tokenizer
+    from mla.tiny_models import tiny_tokenizer
 
     return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     return tiny_llama()
 
@@ -73,7 +73,7 @@ def test_too_short_length_and_bad_depth_refused(tok):
 
 
 def test_length_above_max_position_embeddings_refused(tok):
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     model = tiny_llama(max_position_embeddings=256)
     with pytest.raises(UserError, match="max_position_embeddings = 256"):
@@ -159,7 +159,7 @@ def test_batched_generation_equals_one_by_one(tiny_model, tok):
 def test_mla_model_at_full_rank_answers_as_the_original(tiny_model, tok):
     """The converted model (latent cache) through the same path, batched with left padding."""
     from mla.conversion.convert import convert_model
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     d_h = tiny_model.config.head_dim
     converted, _ = convert_model(tiny_llama(), d_kv=d_h, r=d_h // 2, strategy="high")
@@ -244,7 +244,7 @@ def test_longbench_online_path_wiring(monkeypatch, tok):
     """Hub reachable (pretended): the 16 tasks go to run_tasks with the longbench-only task manager and
     the prompt window given; the summary is the unweighted mean with SE sqrt(Σ SE²)/16."""
     from mla.evaluation import harness, longbench
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     model = tiny_llama(max_position_embeddings=512)
     tasks = list(longbench.LONGBENCH_TASKS.values())

@@ -5,7 +5,7 @@ import torch
 
 from mla.conversion import calibrate
 from mla.conversion.partial_rope import fixed_pairs, head_permutation, nope_dims, rope_dims, select_pairs
-from mla.testing import tiny_llama
+from mla.tiny_models import tiny_llama
 
 
 def test_fixed_strategies_match_the_paper_definitions():

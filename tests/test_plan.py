@@ -9,7 +9,7 @@ import pytest
 from mla.conversion import shapes
 from mla.conversion.convert import count_parameters, resolve_options
 from mla.errors import UserError
-from mla.testing import tiny_llama
+from mla.tiny_models import tiny_llama
 
 # paper Table 4: "#Param" before -> after (d_kv large/mid/small), in millions
 PAPER_PARAMS = {

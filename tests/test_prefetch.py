@@ -41,7 +41,7 @@ def test_mmlu_wheel_is_cached_and_counted(tmp_path):
 
 
 def test_evaluate_refuses_a_missing_manifest(tmp_path):
-    from mla.testing import tiny_llama, tiny_tokenizer
+    from mla.tiny_models import tiny_llama, tiny_tokenizer
 
     model = tmp_path / "m"
     tiny_llama().save_pretrained(model)

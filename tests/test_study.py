@@ -147,7 +147,7 @@ def test_svd_none_keeps_keys_and_values_exact():
     """Keeping every RoPE pair, `svd: none` is the original model; with r < d_h/2 only RoPE changed, so
     the K/V factorisation is exact and a GQA model's cache is the original size (d_kv + 2r = 2 d_h)."""
     from mla.conversion.convert import convert_model
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     torch.manual_seed(0)
     ids = torch.randint(0, 500, (2, 20))
@@ -162,7 +162,7 @@ def test_svd_none_keeps_keys_and_values_exact():
 
 
 def test_convert_cli_svd_none_refuses_a_d_kv_and_whitening(tmp_path):
-    from mla.testing import tiny_llama
+    from mla.tiny_models import tiny_llama
 
     src = tmp_path / "src"
     tiny_llama(num_kv_heads=2).save_pretrained(src)

@@ -14,7 +14,7 @@ from mla.conversion import lowrank
 from mla.cli import main
 from mla.conversion.convert import convert_model
 from mla.errors import UserError
-from mla.testing import tiny_llama
+from mla.tiny_models import tiny_llama
 
 
 def correlated_inputs(d=48, n=4000, seed=0):

@@ -22,7 +22,7 @@ def train_inputs(tmp_path_factory) -> Path:
     """root/llama (tiny GQA Llama), root/mla (converted, d_kv 8), root/data (pydoc-stdlib, 32-token blocks)."""
     from mla.conversion.convert import convert_checkpoint
     from mla.data import build_dataset
-    from mla.testing import save_tiny_checkpoint
+    from mla.tiny_models import save_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("train")
     save_tiny_checkpoint(root / "llama")

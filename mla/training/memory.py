@@ -339,7 +339,7 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
         except Exception:   # offline without a cached copy, gated, unknown repo: the check is skipped
             return None
     if source == "tiny-random":
-        from mla.testing import tiny_llama
+        from mla.tiny_models import tiny_llama
 
         kwargs = {"num_kv_heads": model["num_kv_heads"]} if "num_kv_heads" in model else {}
         return tiny_llama(**kwargs).config.to_dict()
