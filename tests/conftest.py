@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# the tools in scripts/ (gpucheck.py, rehearsal.py) are imported by their tests as top-level modules
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

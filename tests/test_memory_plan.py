@@ -121,7 +121,7 @@ CASES = {
 def _small_model(precision, attention, latent):
     import torch
 
-    from mla.gpucheck import fresh_model
+    from gpucheck import fresh_model
 
     config = dict(SMALL, attn_implementation=attention)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -138,7 +138,7 @@ def _plan(config, precision, attention, latent, b, seq, ckpt):
 def test_activation_plan_matches_the_allocator_peak(case):
     """Peak allocator bytes of one forward + backward on CPU (the profiler's memory events, gradients allocated
     before) are the plan's activations, with and without gradient checkpointing (the must-show asks 25 %)."""
-    from mla.gpucheck import measure_activations
+    from gpucheck import measure_activations
 
     precision, attention, latent, b, seq = CASES[case]
     config, model = _small_model(precision, attention, latent)
