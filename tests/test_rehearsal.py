@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla.study import budgets
-from mla import rehearsal
-from mla.study import experiments
+import rehearsal  # scripts/rehearsal.py (tests/conftest.py puts scripts/ on the path)
 from mla.sources import sha256_of
+from mla.study import budgets, experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs/paper.yaml"

@@ -1,6 +1,6 @@
 """Offline rehearsal of `configs/paper.yaml`: the paper's DAG at tiny size, with only locations swapped.
 
-`scripts/paper-rehearsal DIR` (= `python -m mla.rehearsal DIR`) does it all:
+`scripts/paper-rehearsal DIR` (= `python scripts/rehearsal.py DIR`) does it all:
 
 1. Stand-ins under DIR for what lives on the Hugging Face Hub (everything else is the real thing):
    - `DIR/hf`: a pre-filled Hugging Face cache (`HF_HOME`, the hub cache layout: `hub/models--<org>--<name>/`
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import yaml
 
-from mla.study.config_schema import validated
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the checkout's package, without installing
+from mla.study.config_schema import validated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = "configs/paper.yaml"
