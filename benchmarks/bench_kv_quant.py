@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from mla.study import experiments
 from mla.checkpoint import load_model, load_tokenizer
-from mla.study.config_schema import validated
 from mla.evaluation import decode, report
-from mla.kv import quantized
 from mla.evaluation.perplexity import load_blocks
+from mla.kv import quantized
 from mla.kv.accounting import group_size_for
+from mla.study import experiments
+from mla.study.config_schema import validated
 
 
 def checkpoints(workdir: Path, cfg: dict) -> list[tuple[str, str, Path]]:

@@ -20,8 +20,8 @@ import time
 def main() -> None:
     import torch
 
-    from mla.conversion import calibrate
     from mla import checkpoint
+    from mla.conversion import calibrate
     from mla.conversion.convert import convert_model
     from mla.data import open_blocks
     from mla.evaluation.perplexity import perplexity

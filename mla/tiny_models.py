@@ -11,6 +11,7 @@ EOS = "<|endoftext|>"
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json(vocab_size: int) -> str:
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

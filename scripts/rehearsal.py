@@ -217,9 +217,7 @@ def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int
 
 def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
-    from mla.study import budgets
-    from mla.study import paper_numbers
-    from mla.study import experiments
+    from mla.study import budgets, experiments, paper_numbers
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)
     res = workdir / "results"

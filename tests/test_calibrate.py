@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mla.conversion import calibrate
 from mla.cli import main
+from mla.conversion import calibrate
 from mla.tiny_models import tiny_llama
 
 

@@ -13,9 +13,9 @@ import torch
 from mla.cli import main
 from mla.conversion.convert import convert_model
 from mla.evaluation import decode, harness
-from mla.kv import measure_bytes
 from mla.evaluation.perplexity import perplexity
 from mla.evaluation.report import TOP_LEVEL_FIELDS
+from mla.kv import measure_bytes
 from mla.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
 from mla.tiny_models import tiny_llama, tiny_tokenizer
 

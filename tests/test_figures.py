@@ -9,8 +9,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 from mla.cli import main
-from mla.study.figures import (BASELINE_COLOUR, MLA_COLOURS, Panel, Run, loss_figure, read_loss_curve,
-                         smooth)
+from mla.study.figures import BASELINE_COLOUR, MLA_COLOURS, Panel, Run, loss_figure, read_loss_curve, smooth
 
 
 def write_metrics(path, start, slope, steps=40):
@@ -111,8 +110,9 @@ def test_spec_file_and_single_panel(runs, tmp_path):
 
 
 def test_more_runs_than_colours_are_graded():
-    from mla.study.figures import mla_colours
     from matplotlib.colors import to_rgb
+
+    from mla.study.figures import mla_colours
 
     cols = mla_colours(5)
     assert len(set(cols)) == 5

@@ -13,9 +13,9 @@ import torch
 from mla.cli import main as mla_main
 from mla.conversion.convert import convert_model
 from mla.errors import UserError
+from mla.kv.accounting import cache_nbytes, quantized_cache_bytes
 from mla.kv.measure_bytes import measure_kv_bytes
 from mla.kv.quantized import KVQuant, make_cache, quantized_cache_losses
-from mla.kv.accounting import cache_nbytes, quantized_cache_bytes
 from mla.modeling import MLACache, MLAQuantizedCache
 from mla.modeling.cache_mla import MLALatentLayer, MLAQuantizedLayer, QuantizedRows, _pack, _unpack
 from mla.tiny_models import tiny_llama
@@ -261,8 +261,8 @@ def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_t
 
     import yaml
 
-    from mla.study.config_schema import validated
     from mla.kv.accounting import workflow_errors
+    from mla.study.config_schema import validated
 
     cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
     assert workflow_errors(cfg) == []                          # 24 divides every default width

@@ -120,7 +120,6 @@ CASES = {
 
 def _small_model(precision, attention, latent):
     import torch
-
     from gpucheck import fresh_model
 
     config = dict(SMALL, attn_implementation=attention)

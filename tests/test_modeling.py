@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mla.conversion.convert import convert_model
+from mla.conversion.partial_rope import select_pairs
 from mla.kv.accounting import cache_nbytes, kv_elements_per_token
 from mla.modeling import MLACache
-from mla.conversion.partial_rope import select_pairs
 from mla.tiny_models import tiny_llama
 
 TOL = 1e-4

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import rehearsal  # scripts/rehearsal.py (tests/conftest.py puts scripts/ on the path)
 import yaml
 
-import rehearsal  # scripts/rehearsal.py (tests/conftest.py puts scripts/ on the path)
 from mla.sources import sha256_of
 from mla.study import budgets, experiments
 

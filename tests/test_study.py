@@ -12,8 +12,7 @@ import pytest
 import torch
 import yaml
 
-from mla.study import budgets
-from mla.study import experiments
+from mla.study import budgets, experiments
 from mla.study.config_schema import validated
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from mla.study import paper_numbers
 from mla.cli import main
+from mla.study import paper_numbers
 from mla.study.tables import Variant, build_table, final_loss
 
 

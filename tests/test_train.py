@@ -226,8 +226,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(inputs, model_
 
 
 def test_parameter_groups_name_norms_and_biases(tmp_path):
-    from mla.conversion.convert import convert_checkpoint
     from mla.checkpoint import load_model
+    from mla.conversion.convert import convert_checkpoint
     from mla.tiny_models import save_tiny_checkpoint
     from mla.training.optimizer import decay_parameter_names, no_decay_parameter_names, parameter_groups
 

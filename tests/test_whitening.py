@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mla.conversion import calibrate
-from mla.conversion import lowrank
 from mla.cli import main
+from mla.conversion import calibrate, lowrank
 from mla.conversion.convert import convert_model
 from mla.errors import UserError
 from mla.tiny_models import tiny_llama

@@ -31,8 +31,8 @@ def add_arguments(p):
 
 
 def run(args):
-    from mla.conversion import calibrate
     from mla import checkpoint, devices
+    from mla.conversion import calibrate
     from mla.errors import UserError
 
     if args.samples <= 0:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 import json
+from dataclasses import fields
 from pathlib import Path
 
 HELP = "evaluate a checkpoint (original, converted or fine-tuned): perplexity, lm-eval, KV bytes, decode speed."
@@ -33,7 +33,7 @@ error (`*_stderr`). MLflow: --run-json (run.json of `mla train`) or --run-id, or
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mla.evaluation.report import EvalOptions as D   # the defaults (torch-free)
+    from mla.evaluation.report import EvalOptions as D  # the defaults (torch-free)
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
@@ -169,8 +169,8 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
     """Refuse, before the model loads, widths the checkpoint's cache cannot be quantized to."""
     from mla.conversion import shapes
     from mla.errors import UserError
-    from mla.kv.quantized import quanto_missing
     from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
+    from mla.kv.quantized import quanto_missing
     from mla.modeling.cache_mla import cached_widths, check_quantization
 
     config = shapes.read_config(checkpoint)

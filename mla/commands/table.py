@@ -91,8 +91,8 @@ def load_spec(path: str) -> dict:
 
 def _paper_key(key: str, paper_model: str | None, variant: str | None):
     """--paper-row KEY as paper_numbers knows it (int d_kv, name) or None; an unknown key is an error."""
-    from mla.study import paper_numbers
     from mla.errors import UserError
+    from mla.study import paper_numbers
 
     if key.lower() == "none" or paper_model is None:
         return None
@@ -104,8 +104,8 @@ def _paper_key(key: str, paper_model: str | None, variant: str | None):
 
 
 def run(args) -> int:
-    from mla.study import paper_numbers
     from mla.errors import UserError
+    from mla.study import paper_numbers
     from mla.study.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
 
     if args.spec and args.items:

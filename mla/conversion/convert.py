@@ -17,9 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mla.conversion import lowrank
-from mla.conversion import shapes
-from mla.conversion import partial_rope
+from mla.conversion import lowrank, partial_rope, shapes
 from mla.errors import UserError
 from mla.study.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 

@@ -15,8 +15,8 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
     """
     import torch
 
-    from mla.kv.quantized import is_mla, make_cache
     from mla.kv.accounting import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
+    from mla.kv.quantized import is_mla, make_cache
 
     if quant is not None:
         prompt_len += quant.residual

@@ -26,8 +26,15 @@ def load_schema() -> dict:
     the strategies and model sources, TrainConfig for the recipe's paper defaults and the
     MLflow experiment, mla.study.tracking for the store, EvalOptions for the evaluation's)."""
     from mla.evaluation.report import EvalOptions
-    from mla.study.options import (DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS,
-                             MODEL_SOURCES, ROPE_STRATEGIES, SVD_METHODS)
+    from mla.study.options import (
+        DEFAULT_ROPE_STRATEGY,
+        DEFAULT_SVD,
+        DEFAULT_VALIDATION_FRACTION,
+        DEFAULT_VALIDATION_TOKENS,
+        MODEL_SOURCES,
+        ROPE_STRATEGIES,
+        SVD_METHODS,
+    )
     from mla.study.tracking import DEFAULT_TRACKING_URI
     from mla.training.config import TrainConfig
 
@@ -88,9 +95,9 @@ def config_problems(cfg: dict) -> list[tuple[str, str]]:
 def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
     data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
+    from mla.kv.accounting import workflow_errors as kv_group_errors
     from mla.study import experiments
     from mla.study.budgets import budget_errors
-    from mla.kv.accounting import workflow_errors as kv_group_errors
     from mla.training.config import workflow_train_error
     from mla.training.memory import memory_errors
 

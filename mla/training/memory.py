@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mla.conversion import shapes
-from mla.study import experiments
 from mla.errors import UserError
+from mla.study import experiments
 from mla.study.options import DEFAULT_SVD
 
 GB = 10**9
@@ -348,7 +348,8 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
 
 def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int) -> dict:
     """Plan of every variant of one experiment: {variant: plan}."""
-    from mla.conversion.convert import full_rank_d_kv   # imports torch: only GPU configs get here, not every Snakefile parse
+    # imports torch: only GPU configs get here, not every Snakefile parse
+    from mla.conversion.convert import full_rank_d_kv
 
     s = shapes.shape_of(cfg_model)
     common = dict(nproc=train["nproc"], nodes=train.get("nodes", 1), micro_batch=train["micro_batch_size"], seq=seq,

@@ -23,8 +23,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from mla import atomic
-from mla.study import tracking
 from mla.errors import UserError
+from mla.study import tracking
 from mla.training.schedule import warmup_constant_sqrt_decay
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from mla.study import budgets
-from mla.study import experiments
+from mla.study import budgets, experiments
 from mla.study.config_schema import config_problems
 from mla.evaluation import mmlu
 from mla.kv.accounting import group_size_for
