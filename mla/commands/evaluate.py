@@ -170,15 +170,15 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
     from mla.conversion import shapes
     from mla.errors import UserError
     from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
-    from mla.kv.quantized import quanto_missing
+    from mla.kv.quantized import original_group_problem
     from mla.modeling.cache_mla import cached_widths, check_quantization
 
     config = shapes.read_config(checkpoint)
     quantized = [b for b in bits if b != FULL_PRECISION_BITS]
     if config.get("model_type") != "mla_llama":
-        reason = quantized and quanto_missing()
+        reason = quantized and original_group_problem(config, group_size)
         if reason:
-            raise UserError(f"--kv-bits {','.join(map(str, quantized))}: {reason}")
+            raise UserError(f"--kv-bits {','.join(map(str, quantized))} --kv-group-size {group_size}: {reason}")
         return
     for b in quantized:
         try:
