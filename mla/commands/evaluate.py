@@ -92,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"pass keys per length (default {D.needle_samples})")
     lc.add_argument("--needle-seed", type=int, default=D.needle_seed)
     lc.add_argument("--longbench", choices=("auto", "off"), default=D.longbench,
-                    help="the paper's 16 English LongBench tasks through lm-eval: auto = when the Hub is "
-                         "reachable (skipped with the reason offline); off (default)")
+                    help="the paper's 16 English LongBench tasks through lm-eval: auto = from the documents "
+                         "`mla prefetch --longbench auto` staged (--prefetched, or $MLA_LM_EVAL_DATA), else "
+                         "when the Hub is reachable, else skipped with the reason; off (default)")
     lc.add_argument("--longbench-limit", type=int, help="at most N documents per LongBench task")
     lc.add_argument("--longbench-max-length", type=int,
                     help="prompt window in tokens (default: the model's max_position_embeddings)")
@@ -226,6 +227,11 @@ def run(args) -> int:
             os.environ[harness.LOCAL_DATA_ENV] = documents
     if args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
         harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
+    if args.longbench != "off":
+        from mla.evaluation import longbench
+
+        if longbench.local_root():                                        # staged: every subset's file present
+            harness.local_configs(longbench.local_root(), longbench.task_configs())
     if args.mmlu:
         from mla.evaluation import mmlu
 
