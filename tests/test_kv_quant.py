@@ -267,12 +267,16 @@ def test_latent_layer_quantizes_only_for_later_steps():
     assert torch.equal(latent[:, :11], layer._dequantize()[0][:, :11])
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("nbits", [8, 4, 2])
-def test_bf16_round_trip_errs_by_half_a_step_plus_one_rounding(nbits):
+def test_bf16_round_trip_errs_by_half_a_step_plus_one_rounding(nbits, device):
     """Scales rounded up, dequantized in fp32, rounded once to bf16: in fp32 |x̂ − x| <= step/2, and the
     bf16 result is that value cast once, so |x̂_bf16 − x| <= step/2 + |x̂|·2^-8 (bf16's unit roundoff).
     The former bf16 arithmetic (q·scale, then + zero, each rounded to bf16) breaks the bound."""
-    x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     q = QuantizedRows.quantize(x, nbits, group_size=16)
     assert q.scale.dtype == q.zero.dtype == torch.bfloat16
     step = q.scale.float().repeat_interleave(16, dim=-1)
@@ -388,3 +392,25 @@ def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_t
     per_model["evaluate"]["kv_group_size"] = {"default": 24, "smollm2-135m-mha": 144}
     errors = workflow_errors(per_model)    # 144 divides the MHA latents 144 and 288, not 72 nor the RoPE key's 72
     assert {k for k, _ in errors} == {"evaluate.kv_group_size.smollm2-135m-mha"} and len(errors) == 4
+
+
+@CUDA
+def test_original_quantized_cache_decodes_on_cuda_without_a_compiler(monkeypatch):
+    """On a GPU, where optimum-quanto would build quanto_cuda with nvcc at the first dequantization: the torch
+    procedure decodes in bf16 with compilation refused, and its CUDA dequantization equals the CPU's."""
+    import torch.utils.cpp_extension
+
+    from mla.kv import quanto_torch
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no compiler on this node")
+
+    monkeypatch.setitem(sys.modules, "optimum.quanto", None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    model, p = tiny_llama(num_kv_heads=2).to("cuda", torch.bfloat16), prompt(length=12).cuda()
+    with torch.no_grad():
+        out = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=2 * RESIDUAL, do_sample=False,
+                             cache=make_cache(model, KVQuant(4, GROUP, RESIDUAL)), return_dict_in_generate=True)
+    q = out.cache.layers[0]._quantized_keys
+    on_cpu = quanto_torch.QuantoGroups(q.packed.cpu(), q.scale.cpu(), q.shift.cpu(), q.bits, q.shape)
+    assert torch.equal(quanto_torch.dequantize(q).cpu(), quanto_torch.dequantize(on_cpu))

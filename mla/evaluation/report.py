@@ -212,8 +212,13 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
     if opts.longbench != "off":
         out["longbench"] = longbench.longbench(model, tokenizer, limit=opts.longbench_limit,
                                                max_length=opts.longbench_max_length, batch_size=1)
-        if out["longbench"].get("status") == "skipped":
-            log(f"evaluate: skipped: {out['longbench']['skipped']}")
+        lb = out["longbench"]
+        if lb.get("status") == "skipped":
+            log(f"evaluate: skipped: {lb['skipped']}")
+        elif lb.get("mean") is not None:
+            log(f"evaluate: LongBench {100 * lb['mean']:.2f} ± {100 * (lb['mean_stderr'] or 0):.2f} (mean score x100 "
+                f"over 16 tasks, {lb['limit'] or 'all'} documents each, prompts cut to {lb['max_length']} tokens, "
+                f"{lb['documents']})")
     return out
 
 
