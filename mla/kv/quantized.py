@@ -62,8 +62,11 @@ def make_cache(model, quant: KVQuant | None):
         raise UserError(f"quantized cache: {reason}")
     from mla.kv.quanto_torch import QuantoTorchCache
 
-    return QuantoTorchCache(model.config, nbits=quant.nbits, q_group_size=quant.group_size,
-                            residual_length=quant.residual)
+    try:
+        return QuantoTorchCache(model.config, nbits=quant.nbits, q_group_size=quant.group_size,
+                                residual_length=quant.residual)
+    except ValueError as exc:
+        raise UserError(f"quantized cache: {exc}") from None
 
 
 def original_group_problem(config, group_size: int) -> str | None:

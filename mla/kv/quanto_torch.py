@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, QuantizedLayer
+from transformers.cache_utils import Cache, QuantizedLayer, get_layer_types_and_kwargs
 
 QUANTO_BITS = (2, 4)
 
@@ -114,6 +114,9 @@ class QuantoTorchCache(Cache):
 
     def __init__(self, config, nbits: int = 4, q_group_size: int = 64, residual_length: int = 128):
         config = config.get_text_config(decoder=True)
+        other = set(get_layer_types_and_kwargs(config)[0]) - {"full_attention"}
+        if other:   # transformers' QuantizedCache refuses these too (a sliding window is not a KIVI window)
+            raise ValueError(f"a quantized cache supports full-attention layers only, not {sorted(other)}")
         self.nbits, self.q_group_size, self.residual_length = nbits, q_group_size, residual_length
         super().__init__(layers=[QuantoTorchLayer(nbits=nbits, q_group_size=q_group_size,
                                                   residual_length=residual_length)
