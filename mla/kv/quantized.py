@@ -165,6 +165,7 @@ def quantized_cache_losses(model, blocks: np.ndarray, bits: list[int], *, group_
             diff, diff_se = mean_and_stderr(np.subtract(per_block[b], per_block[FULL_PRECISION_BITS]))
             entry.update(loss_change=diff, loss_change_stderr=diff_se)
         out["bits"][str(b)] = entry
-        log(f"evaluate: {b}-bit cache ({out['backend']}, {out['dtype']} model): loss {mean:.4f} ± {se or 0:.4f} "
-            f"nats per decoded token over {n} blocks")
+        what = "unquantized cache" if b == FULL_PRECISION_BITS else f"{b}-bit cache ({out['backend']})"
+        log(f"evaluate: {what}, {out['dtype']} model: loss {mean:.4f} ± {se or 0:.4f} nats per decoded token "
+            f"over {n} blocks")
     return out
