@@ -316,6 +316,9 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
     s = json.loads(out.read_text())
     t = s["training"]
     assert t["tokens_per_second"] > 0 and len(t["losses"]) == t["steps"]
+    # MFU's FLOPs per token of the tiny SmolLM shape at 64 tokens: 6·N + 12·L·n_h·d_h·s, by hand
+    n = 512 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 192 + 2 * 64) + 64      # tied: 131,392
+    assert t["flops_per_token"]["total_flops"] == 6 * n + 12 * 2 * 4 * 16 * 64 == 886_656
     assert all(0 < loss < 20 for loss in t["losses"])
     for row in s["activations"]["rows"]:
         assert abs(row["measured_over_plan"] - 1) < 0.08, row
