@@ -2,8 +2,8 @@
 
 (a) training throughput: bf16 ZeRO-2 steps of a SmolLM-135M-shaped model (random weights, local data) through
     `mla train` (the Trainer + DeepSpeed path of the workflow); tokens/s and model FLOPs utilisation
-    MFU = 6·N·tokens/s / peak bf16 FLOP/s (N = parameters; attention's own FLOPs are not counted), the peak looked
-    up by GPU name (`--peak-tflops` overrides).
+    MFU = (6·N + 12·L·n_h·d_h·s)·tokens/s / peak dense bf16 FLOP/s (mla/training/flops.py: N = parameters that
+    multiply, the second term attention's QKᵀ and PV), the peak looked up by GPU name (`--peak-tflops` overrides).
 (b) the memory plan (`mla.training.memory`) against the allocator:
     - activations: one forward + backward of the exact Llama-2-7B shape (32 layers, bf16, micro-batch 1 x 4096
       tokens), with and without gradient checkpointing: peak minus what was allocated before (params and
@@ -36,26 +36,13 @@ from pathlib import Path
 
 from mla.conversion import shapes
 from mla.study.options import DEFAULT_VALIDATION_FRACTION
-from mla.training import memory
-
-# dense bf16 tensor-core peak FLOP/s by GPU name (first match wins; datasheet values, no sparsity)
-PEAK_BF16_FLOPS = [("H200", 989.4e12), ("GH200", 989.4e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
-                   ("H100", 989.4e12), ("H800", 989.4e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
-                   ("L4", 121e12), ("B200", 2250e12)]
+from mla.training import flops, memory
+from mla.training.flops import peak_flops
 
 TINY_SMOLLM = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
 TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 4, "vocab_size": 512, "tie_word_embeddings": False}
-
-
-def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
-    if override_tflops:
-        return override_tflops * 1e12
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return flops
-    return None
 
 
 def llama_config(name: str, tiny: bool, **change) -> dict:
@@ -235,14 +222,19 @@ def training_throughput(work: Path, *, tiny: bool, device: str, steps: int, micr
     skip = min(3, len(rows) - 1)
     tps = statistics.median(float(r["tokens_per_second"]) for r in rows[skip:])
     n_params = memory.total_params(shapes.shape_of(config), tied=bool(config.get("tie_word_embeddings")))
-    flops = 6 * n_params * tps
+    per_token = flops.training_flops_per_token(config, seq)
+    mfu = flops.mfu(tps, per_token["total_flops"], peak)
     result = {"model": "SmolLM-135M shape" + (" (tiny)" if tiny else ""), "parameters": n_params,
               "precision": precision, "zero_stage": 2, "micro_batch": micro_batch, "seq": seq, "steps": steps,
-              "tokens_per_second": round(tps, 1), "model_flops_per_second": flops,
-              "peak_flops": peak, "mfu": None if not peak else round(flops / peak, 4),
+              "tokens_per_second": round(tps, 1), "flops_per_token": per_token,
+              "model_flops_per_second": per_token["total_flops"] * tps,
+              "peak_flops": peak, "peak": "dense bf16 tensor-core FLOP/s (datasheet, by GPU name)" if peak else None,
+              "mfu": None if mfu is None else round(mfu, 4),
               "statistic": f"median over steps {skip + 1}..{len(rows)}", "wall_s": round(time.time() - t0, 1),
               "losses": [float(r["loss"]) for r in rows]}
-    log(f"(a) {tps:.0f} tokens/s, MFU {result['mfu']}")
+    log(f"(a) {tps:.0f} tokens/s ({precision}, median step), {per_token['total_flops'] / 1e9:.3g} GFLOP per token "
+        f"(attention {per_token['attention_flops'] / per_token['total_flops']:.0%}), MFU {result['mfu']} of "
+        f"{'an unknown peak' if not peak else f'{peak / 1e12:.0f} TFLOP/s'}")
     return result
 
 

@@ -10,12 +10,13 @@
      `HF_HUB_OFFLINE=1` through huggingface_hub's own cache lookup.
    - `DIR/datasets`: the smollm mixture in its real schema (slice A's `mla.data.mirror.write_smollm_mirror`;
      `MLA_HUB_DATASETS_MIRROR`, `MLA_SWH_CONTENT_URL`).
-   - `DIR/lm-eval`: a few rows of each of the paper's six lm-eval tasks in their schema (slice C's
-     `mla.evaluation.harness.write_local_task_data`; `MLA_LM_EVAL_DATA`).
+   - `DIR/lm-eval`: a few rows of each of the paper's six lm-eval tasks and of LongBench's 16 English
+     subsets in their schemas (`mla.evaluation.harness.write_local_task_data`,
+     `mla.evaluation.longbench.write_local_data`; `MLA_LM_EVAL_DATA`), which `mla prefetch` passes on.
 2. A copy of the workflow (Snakefile, workflow/, configs/) in DIR, run there with
    `--configfile configs/paper.yaml configs/paper-rehearsal.yaml` (the overlay changes sizes only).
-3. Checks of the outputs: every evaluation, table and figure; the paper tasks scored (numbers, not
-   "skipped"); training with the paper's process count > 1, bf16, gradient accumulation and ZeRO stage;
+3. Checks of the outputs: every evaluation, table and figure; the paper tasks and LongBench scored
+   (numbers, not "skipped"), the staged documents read offline; training with the paper's process count > 1, bf16, gradient accumulation and ZeRO stage;
    data holding exactly the budgets of `mla.study.budgets`. Any failure: exit status 1 and the reasons.
 """
 
@@ -51,6 +52,7 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "in
 DOCS_PER_SOURCE = 64     # documents per smollm source in the mirror: more than the tiny budgets read
 SMOLLM_SOURCES = ("fineweb-edu-dedup", "cosmopedia-v2", "python-edu", "open-web-math", "stackoverflow-clean")
 ROWS_PER_TASK = 8        # rows per lm-eval task (evaluate.paper_limit reads at most that many)
+LONGBENCH_ROWS = 2       # rows per LongBench subset (evaluate.longbench_limit)
 
 
 # ---------------------------------------------------------------- stand-in: the Hugging Face cache
@@ -144,12 +146,14 @@ def prepare(workdir: Path, *, log=print) -> dict[str, str]:
     with _timed(f"Hugging Face cache with {hub_repos}", log), tempfile.TemporaryDirectory(dir=workdir) as build:
         write_model_cache(workdir / "hf", paper, Path(build))
     from mla.data.mirror import write_smollm_mirror
+    from mla.evaluation import longbench
     from mla.evaluation.harness import write_local_task_data
 
     with _timed("smollm mixture mirror", log):
         env.update(write_smollm_mirror(workdir / "datasets", docs_per_source=DOCS_PER_SOURCE))
     with _timed("lm-eval task rows", log):
         env.update(write_local_task_data(workdir / "lm-eval", rows_per_task=ROWS_PER_TASK))
+        env.update(longbench.write_local_data(workdir / "lm-eval", rows_per_task=LONGBENCH_ROWS))
     env = {k: str(v) for k, v in env.items()}
     marker.write_text(json.dumps(env, indent=2) + "\n")
     return env
@@ -213,6 +217,22 @@ def _table_problems(table: Path, where: Path, checkpoints: int, widths: list[int
         elif any(_number(r[column]) is None for r in rows):
             problems.append(f"{where}: column {column} is not a number in every row ({[r[column] for r in rows]})")
     return problems
+
+
+def _longbench_problems(path: str, ev: dict, cfg: dict) -> list[str]:
+    """LongBench ran offline from the staged documents: 16 scores on `longbench_limit` rows each, a mean."""
+    if cfg["evaluate"]["longbench"] == "off":
+        return []
+    lb = (ev.get("long_context") or {}).get("longbench") or {}
+    scores = lb.get("scores") or {}
+    want_n = min(cfg["evaluate"]["longbench_limit"] or LONGBENCH_ROWS, LONGBENCH_ROWS)
+    if lb.get("status") != "ok" or _number(lb.get("mean")) is None:
+        return [f"{path}: LongBench {lb.get('status')} ({lb.get('skipped') or lb.get('missing')})"]
+    if not str(lb.get("documents", "")).startswith("local files") or len(scores) != 16 or \
+            any(s.get("n") != want_n for s in scores.values()):
+        return [f"{path}: LongBench read {lb.get('documents')}, {len(scores)} tasks, n "
+                f"{sorted({s.get('n') for s in scores.values()})}; expected the staged rows, 16 tasks, n {want_n}"]
+    return []
 
 
 def check_outputs(workdir: Path) -> list[str]:
@@ -290,6 +310,7 @@ def check_outputs(workdir: Path) -> list[str]:
             if paper.get("status") != "ok" or bad:
                 problems.append(f"{path}: paper tasks {paper.get('status')}"
                                 f" ({paper.get('reason') or 'no score for ' + ', '.join(bad)})")
+            problems += _longbench_problems(path, ev, cfg)
         table = res / "tables" / f"{ename}.csv"
         if not table.is_file() or not (res / "tables" / f"{ename}.md").is_file():
             problems.append(f"results/tables/{ename}.csv/.md: missing")

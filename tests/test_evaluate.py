@@ -327,6 +327,28 @@ def test_weight_bytes_counts_tied_head_once():
     assert decode.weight_bytes(untied) == 4 * (sum(p.numel() for p in untied.parameters()) - emb)
 
 
+def test_meta_twin_of_an_untied_model_reads_no_input_embedding():
+    """The original twin is sized on the meta device, where every data_ptr is 0: an untied head must not be
+    taken for a tied one (that counted the 512 x 64 input embedding and inflated S(B,T))."""
+    model, _ = convert_model(tiny_llama(num_kv_heads=2, tie_word_embeddings=False), d_kv=4, r=2, strategy="uniform")
+    assert model.config.tie_word_embeddings is False
+    # by hand, fp32: per layer q and o 64·64, k and v 64·32, gate/up/down 64·128, two norms of 64
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
+    w_orig = 4 * (2 * per_layer + 64 + 512 * 64)                  # 2 layers, final norm, output head = 427,264
+    assert w_orig == 427_264
+    twin = decode.original_twin(model, device="meta")
+    assert decode.weight_bytes(twin) == w_orig == decode.weight_bytes(decode.original_twin(model, device="cpu"))
+    out = decode.decode_grid(model, [], log=None)                   # sizes the twin on the meta device
+    assert out["original_weight_bytes"] == w_orig
+    # S(B,T) at 1 x 256 by hand: KV bytes per token 2 layers x 2·2·16 (K, V) x 4 B = 512 against the latent
+    # 2 layers x 2·(4 + 2·2) x 4 B = 128; the MLA model's weights are read without its input embedding too
+    assert (out["original_kv_bytes_per_token"], out["kv_bytes_per_token"]) == (512, 128)
+    w_mla = 4 * (sum(p.numel() for p in model.parameters()) - 512 * 64)
+    assert out["weight_bytes"] == w_mla
+    assert decode.predicted_speedup(w_orig, w_mla, 512, 128, 1, 256) == pytest.approx(
+        (427_264 + 256 * 512) / (w_mla + 256 * 128))
+
+
 def test_decode_steps_are_timed_between_device_synchronisations(monkeypatch):
     """Each timed step waits for the device before its clock starts and after its last kernel (on a GPU,
     CUDA calls return before the work is done); on the CPU the wait is a no-op."""

@@ -13,7 +13,7 @@ import torch
 from mla.cli import main as mla_main
 from mla.conversion.convert import convert_model
 from mla.errors import UserError
-from mla.kv.accounting import cache_nbytes, quantized_cache_bytes
+from mla.kv.accounting import _tensor_bytes, cache_nbytes, quantized_cache_bytes
 from mla.kv.measure_bytes import measure_kv_bytes
 from mla.kv.quantized import KVQuant, make_cache, quantized_cache_losses
 from mla.modeling import MLACache, MLAQuantizedCache
@@ -166,15 +166,131 @@ def test_quantized_losses_pair_every_width_with_full_precision():
     assert all(res["bits"][b]["loss_change_stderr"] > 0 for b in ("8", "4", "2"))
 
 
-def test_original_model_uses_transformers_quanto_cache_or_says_why(monkeypatch):
-    model = tiny_llama(num_kv_heads=2)
+def test_original_model_cache_needs_neither_optimum_quanto_nor_a_compiler(monkeypatch):
+    """quanto's dequantization compiles its C++/CUDA extension at run time (torch.utils.cpp_extension.load);
+    the original's cache must prefill and decode with quanto not importable and any compilation refused."""
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no compiler on this node")
+
+    monkeypatch.setitem(sys.modules, "optimum.quanto", None)           # as if not installed
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    model, p = tiny_llama(num_kv_heads=2), prompt(length=12)
     cache = make_cache(model, KVQuant(4, GROUP, RESIDUAL))
-    assert type(cache).__name__ == "QuantizedCache"
+    assert type(cache).__name__ == "QuantoTorchCache"
+    with torch.no_grad():
+        out = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=2 * RESIDUAL, do_sample=False,
+                             cache=cache, return_dict_in_generate=True)
+    layer = out.cache.layers[0]
+    assert layer.get_seq_length() == 12 + 2 * RESIDUAL - 1 and layer._quantized_keys is not None
     with pytest.raises(UserError, match="2 or 4 bits, not 8"):
         make_cache(model, KVQuant(8, GROUP, RESIDUAL))
-    monkeypatch.setitem(sys.modules, "optimum.quanto", None)           # as if not installed
-    with pytest.raises(UserError, match="needs optimum-quanto"):
-        make_cache(model, KVQuant(4, GROUP, RESIDUAL))
+    with pytest.raises(UserError, match="group size 12 does not divide the 32 key"):
+        make_cache(model, KVQuant(4, 12, RESIDUAL))        # 2 KV heads x d_h 16 per token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quanto_procedure_in_torch_equals_optimum_quanto_bit_for_bit(dtype):
+    """On the CPU (where quanto runs its compiled C++ unpack): packed bytes, dequantized values and bytes
+    held are identical, for groups within a head (8, 16) and spanning tokens (24 of d_h 16, 32)."""
+    pytest.importorskip("optimum.quanto")
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    from mla.kv import quanto_torch
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (2, 4):
+        for group, shape in ((16, (2, 3, 10, 16)), (8, (2, 2, 7, 16)), (24, (1, 3, 8, 16)), (32, (2, 2, 5, 16))):
+            x = (torch.randn(shape, generator=g) * torch.logspace(-1, 1, shape[-1])).to(dtype)
+            theirs = QuantoQuantizedLayer(nbits=bits, q_group_size=group)._quantize(x.contiguous(), axis=0)
+            ours = quanto_torch.quantize(x, bits, group)
+            assert torch.equal(ours.packed, theirs._data._data), (bits, group)
+            assert torch.equal(ours.scale, theirs._scale) and torch.equal(ours.shift, theirs._shift)
+            assert torch.equal(quanto_torch.dequantize(ours), theirs.dequantize()), (bits, group)
+            assert ours.nbytes == _tensor_bytes(theirs)
+    with pytest.raises(ValueError, match=r"Group size \(12\) must be a divisor of \(30\)"):
+        quanto_torch.quantize(torch.zeros(2, 3, 10), 4, 12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_original_cache_decodes_exactly_as_transformers_quanto_cache(dtype):
+    """Teacher-forced decode across two window flushes: the same logits, bit for bit, and the same bytes."""
+    pytest.importorskip("optimum.quanto")
+    from transformers.cache_utils import QuantizedCache
+
+    model, p = tiny_llama(num_kv_heads=2).to(dtype), prompt(length=30)
+    caches = {"ours": make_cache(model, KVQuant(2, GROUP, RESIDUAL)),
+              "quanto": QuantizedCache(backend="quanto", config=model.config, nbits=2, q_group_size=GROUP,
+                                       residual_length=RESIDUAL)}
+    logits = {}
+    with torch.no_grad():
+        for name, cache in caches.items():
+            steps = [model(p[:, :20], cache=cache, use_cache=True).logits]
+            for i in range(20, 30):
+                steps.append(model(p[:, i:i + 1], cache=cache, use_cache=True).logits)
+            logits[name] = torch.cat(steps, dim=1)
+    assert torch.equal(logits["ours"], logits["quanto"])
+    assert cache_nbytes(caches["ours"]) == cache_nbytes(caches["quanto"])
+
+
+def test_prefill_reads_the_prompt_in_full_precision_in_both_caches():
+    """One procedure for the latent cache and the original's: a prefill attends to its prompt unquantized
+    (its logits equal the full-precision cache's exactly), and the following step reads it quantized."""
+    for model in (converted(), tiny_llama(num_kv_heads=2)):
+        p = prompt(length=20)                                # 20 tokens > window of 4: 16 quantized at once
+        with torch.no_grad():
+            full = model(p[:, :19], use_cache=True)
+            quant = model(p[:, :19], cache=make_cache(model, KVQuant(2, GROUP, RESIDUAL)), use_cache=True)
+            assert torch.equal(quant.logits, full.logits), type(model).__name__
+            step_full = model(p[:, 19:], cache=full.cache, use_cache=True).logits
+            step_quant = model(p[:, 19:], cache=quant.cache, use_cache=True).logits
+        assert (step_quant - step_full).abs().max() > 1e-3, type(model).__name__
+
+
+def test_latent_layer_quantizes_only_for_later_steps():
+    """A second multi-token update (chunked prefill): its own tokens and the window come back exact,
+    the tokens quantized before it come back dequantized, those it quantizes are read so from the next."""
+    layer = MLAQuantizedLayer(nbits=2, group_size=4, residual_length=4)
+    g = torch.Generator().manual_seed(0)
+    first, second = [(torch.randn(1, t, 8, generator=g), torch.randn(1, 2, t, 4, generator=g)) for t in (10, 5)]
+    latent, rope = layer.update(*first)
+    assert torch.equal(latent, first[0]) and torch.equal(rope, first[1])      # the prefill: exact
+    stored = layer._dequantize()[0]
+    assert stored.shape[1] == 6 and not torch.equal(stored, first[0][:, :6])
+    latent, rope = layer.update(*second)
+    assert torch.equal(latent[:, :6], stored)                                # quantized by the earlier step
+    assert torch.equal(latent[:, 6:], torch.cat([first[0][:, 6:], second[0]], dim=1))   # window + own: exact
+    assert torch.equal(rope[:, :, 10:], second[1])
+    assert layer.quantized[0].tokens == 11 and layer.get_seq_length() == 15  # quantized for the next step
+    latent, _ = layer.update(torch.zeros(1, 1, 8), torch.zeros(1, 2, 1, 4))
+    assert torch.equal(latent[:, :11], layer._dequantize()[0][:, :11])
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("nbits", [8, 4, 2])
+def test_bf16_round_trip_errs_by_half_a_step_plus_one_rounding(nbits, device):
+    """Scales rounded up, dequantized in fp32, rounded once to bf16: in fp32 |x̂ − x| <= step/2, and the
+    bf16 result is that value cast once, so |x̂_bf16 − x| <= step/2 + |x̂|·2^-8 (bf16's unit roundoff).
+    The former bf16 arithmetic (q·scale, then + zero, each rounded to bf16) breaks the bound."""
+    x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    q = QuantizedRows.quantize(x, nbits, group_size=16)
+    assert q.scale.dtype == q.zero.dtype == torch.bfloat16
+    step = q.scale.float().repeat_interleave(16, dim=-1)
+    exact = q.dequantize(torch.float32)
+    assert ((exact - x.float()).abs() <= step / 2 * (1 + 1e-6)).all()
+    rounded = q.dequantize(torch.bfloat16)
+    assert torch.equal(rounded, exact.to(torch.bfloat16))                  # one rounding, nothing else
+    bound = step / 2 * (1 + 1e-6) + exact.abs() * 2.0 ** -8
+    assert ((rounded.float() - x.float()).abs() <= bound).all()
+    assert (exact - x.float()).abs().max() > 0.25 * step.min()             # it really quantized
+    groups = _unpack(q.packed, nbits).view(4, 64, 4, 16).to(torch.bfloat16)
+    old = (groups * q.scale.unsqueeze(-1) + q.zero.unsqueeze(-1)).view(4, 64, 64)
+    if nbits in (8, 4):
+        assert ((old.float() - x.float()).abs() > bound).any()
 
 
 def test_bad_cache_settings_are_refused_with_the_cause():
@@ -244,7 +360,7 @@ def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
     assert point["speedup_q4"] == pytest.approx(point["mla_absorbed_q4_tps"] / point["original_tps"])
     orig = json.loads((tmp_path / "orig.json").read_text())["kv_quant"]
     assert orig["backend"] == "quanto" and orig["bits"]["8"]["status"] == "skipped"
-    assert orig["bytes"]["4"]["cache_class"] == "QuantizedCache"
+    assert orig["bytes"]["4"]["cache_class"] == "QuantoTorchCache" and "quanto_torch" in orig["implementation"]
     assert orig["bytes"]["4"]["bytes_per_token_measured"] < orig["bytes"]["4"]["bytes_per_token_full_precision"]
 
     assert mla_main(["table", "--variant", "original", "--eval", str(tmp_path / "orig.json"), "--variant", "dkv8",
@@ -276,3 +392,25 @@ def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_t
     per_model["evaluate"]["kv_group_size"] = {"default": 24, "smollm2-135m-mha": 144}
     errors = workflow_errors(per_model)    # 144 divides the MHA latents 144 and 288, not 72 nor the RoPE key's 72
     assert {k for k, _ in errors} == {"evaluate.kv_group_size.smollm2-135m-mha"} and len(errors) == 4
+
+
+@CUDA
+def test_original_quantized_cache_decodes_on_cuda_without_a_compiler(monkeypatch):
+    """On a GPU, where optimum-quanto would build quanto_cuda with nvcc at the first dequantization: the torch
+    procedure decodes in bf16 with compilation refused, and its CUDA dequantization equals the CPU's."""
+    import torch.utils.cpp_extension
+
+    from mla.kv import quanto_torch
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no compiler on this node")
+
+    monkeypatch.setitem(sys.modules, "optimum.quanto", None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    model, p = tiny_llama(num_kv_heads=2).to("cuda", torch.bfloat16), prompt(length=12).cuda()
+    with torch.no_grad():
+        out = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=2 * RESIDUAL, do_sample=False,
+                             cache=make_cache(model, KVQuant(4, GROUP, RESIDUAL)), return_dict_in_generate=True)
+    q = out.cache.layers[0]._quantized_keys
+    on_cpu = quanto_torch.QuantoGroups(q.packed.cpu(), q.scale.cpu(), q.shift.cpu(), q.bits, q.shape)
+    assert torch.equal(quanto_torch.dequantize(q).cpu(), quanto_torch.dequantize(on_cpu))

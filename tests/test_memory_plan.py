@@ -316,6 +316,9 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
     s = json.loads(out.read_text())
     t = s["training"]
     assert t["tokens_per_second"] > 0 and len(t["losses"]) == t["steps"]
+    # MFU's FLOPs per token of the tiny SmolLM shape at 64 tokens: 6·N + 12·L·n_h·d_h·s, by hand
+    n = 512 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 192 + 2 * 64) + 64      # tied: 131,392
+    assert t["flops_per_token"]["total_flops"] == 6 * n + 12 * 2 * 4 * 16 * 64 == 886_656
     assert all(0 < loss < 20 for loss in t["losses"])
     for row in s["activations"]["rows"]:
         assert abs(row["measured_over_plan"] - 1) < 0.08, row
@@ -328,3 +331,53 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
     for p in points:
         assert p["status"] == "ok" and p["predicted_speedup"] > 1 and p["mla_absorbed_tps"] > 0
         assert p["speedup_q4"] == pytest.approx(p["mla_absorbed_q4_tps"] / p["original_tps"])
+
+
+# ---------------------------------------------------------------- MFU: model FLOPs and GPU peaks
+def test_training_flops_count_attention_by_hand_for_smollm_135m():
+    """SmolLM-135M (tied, L 30, hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49152) at 2,048 tokens."""
+    from mla.training import flops
+
+    embedding = 49152 * 576                                              # 28,311,552 (also the output head)
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 2 * 576  # q, o; k, v; gate, up, down; 2 norms
+    n = embedding + 30 * per_layer + 576                                 # + final norm = 134,515,008
+    assert n == 134_515_008
+    attention = 12 * 30 * 9 * 64 * 2048                                  # QKᵀ and PV, forward + backward
+    assert attention == 424_673_280
+    f = flops.training_flops_per_token(shapes.read_config("smollm-135m"), 2048)
+    assert (f["matmul_params"], f["dense_flops"], f["attention_flops"]) == (n, 6 * n, attention)
+    assert f["total_flops"] == 1_231_763_328
+    assert f["attention_flops"] / f["total_flops"] == pytest.approx(0.3448, abs=1e-4)   # "about a third"
+    # 10,000 tokens/s on an H100 (989.4 TFLOP/s): MFU 1.245 %, where 6·N alone said 0.816 %
+    assert flops.mfu(1e4, f["total_flops"], 989.4e12) == pytest.approx(1.231763328e13 / 989.4e12)
+    assert flops.mfu(1e4, f["total_flops"], None) is None
+
+
+def test_training_flops_leave_out_an_untied_input_embedding():
+    """Llama-2-7B (untied): the 32000 x 4096 input embedding is a lookup, the output head a matmul."""
+    from mla.training import flops
+
+    config = shapes.read_config("llama-2-7b")
+    per_layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+    n = 32 * per_layer + 4096 + 32000 * 4096                             # layers, final norm, head (no embedding)
+    f = flops.training_flops_per_token(config, 4096)
+    assert f["matmul_params"] == n == 6_607_343_616
+    assert f["attention_flops"] == 12 * 32 * 32 * 128 * 4096
+    mla = dict(shapes.read_config("llama-2-7b"), model_type="mla_llama", kv_lora_rank=32 * 16, qk_rope_head_dim=16)
+    converted = flops.training_flops_per_token(mla, 4096)
+    # k_proj, v_proj (2·4096·4096) become k_rope (4096·32·16), kv_down (4096·512), k_up (512·32·112), v_up (512·4096)
+    change = 4096 * 512 + 4096 * 512 + 512 * 32 * 112 + 512 * 4096 - 2 * 4096 * 4096
+    assert converted["matmul_params"] - n == 32 * change
+    assert converted["attention_flops"] == f["attention_flops"]          # q/k and v heads stay d_h wide
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA L40", 181.05e12), ("NVIDIA L40S", 362.05e12), ("NVIDIA L4", 121e12),
+    ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA GH200 480GB", 989.4e12), ("NVIDIA H200", 989.4e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA B200", 2250e12), ("NVIDIA GeForce RTX 4090", None), ("cpu", None)])
+def test_peak_is_looked_up_by_whole_words_of_the_gpu_name(name, peak):
+    from mla.training.flops import peak_flops
+
+    assert peak_flops(name) == peak
+    assert peak_flops(name, override_tflops=100) == 100e12

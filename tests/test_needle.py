@@ -171,13 +171,21 @@ def test_mla_model_at_full_rank_answers_as_the_original(tiny_model, tok):
     assert needle.generate_answers(converted, tok, prompts, batch_size=4) == original
 
 
-def test_quantized_kv_cache_runs(tiny_model, tok):
-    pytest.importorskip("optimum.quanto")
+def test_quantized_kv_cache_runs_with_a_fresh_cache_per_generate_call(tiny_model, tok):
+    from mla.kv.quantized import KVQuant, cache_factory
+
     prompts = [s["prompt"] for s in needle.draw_samples(tok, 300, samples=3, seed=3)]
     plain = needle.generate_answers(tiny_model, tok, prompts)
-    quantized = needle.generate_answers(tiny_model, tok, prompts, generate_kwargs={
-        "cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 2}})
+    built = []
+    factory = cache_factory(tiny_model, KVQuant(2, 16, 8))
+
+    def counted():
+        built.append(factory())
+        return built[-1]
+
+    quantized = needle.generate_answers(tiny_model, tok, prompts, cache_factory=counted)
     assert len(quantized) == 3 and quantized != plain     # 2-bit keys/values change a random model's choices
+    assert len({id(c) for c in built}) == 3 and all(c.get_seq_length() > 0 for c in built)   # one per call
 
 
 def test_end_to_end_tiny_checkpoint(tiny_checkpoint):

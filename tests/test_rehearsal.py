@@ -39,6 +39,7 @@ SIZE_KEYS = {
     "evaluate.decode_grid", "evaluate.decode_steps", "evaluate.mmlu",
     "evaluate.kv_group_size.default", "evaluate.kv_group_size.smollm-135m", "evaluate.kv_residual",
     "evaluate.kv_scored", "evaluate.kv_blocks", "evaluate.needle_lengths", "evaluate.needle_samples",
+    "evaluate.longbench_limit",
 }
 MACHINE_KEYS = {"train.device", "calibrate.device", "evaluate.device"}
 NAMED = ("models", "experiments", "overrides")  # their keys are names, matched by *
@@ -107,7 +108,11 @@ def test_overlay_plans_the_paper_dag_at_tiny_size(tmp_path):
     assert counts["convert"] == sum(len(e["d_kv"]) for e in exps)
     assert counts["finetune"] == sum(len(e["d_kv"]) + 1 for e in exps)
     assert counts["evaluate"] == counts["finetune"] and counts["evaluate_original"] == 2  # + the two originals
-    assert counts["evaluation_data"] == 1   # MMLU and the six tasks fetched once, before the offline jobs
+    assert counts["evaluation_data"] == 1   # MMLU, the six tasks and LongBench fetched once, before the offline jobs
+    assert "mla prefetch --out results/evaluation-data --mmlu --paper-tasks auto --longbench auto" in out
+    evaluations = [line for line in out.splitlines() if " mla evaluate " in line]
+    assert evaluations and all("HF_HUB_OFFLINE=1" in line and "--longbench auto --longbench-limit 2" in line
+                               and "--prefetched results/evaluation-data/manifest.json" in line for line in evaluations)
     # two config files merge (no fallback to config.yaml's models) and sizes come from the overlay
     assert "smollm2-wheel" not in out and "--repo-id meta-llama/Llama-2-7b-hf" in out
     assert "--block-length 64" in out and "--block-length 32" in out

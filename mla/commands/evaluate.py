@@ -92,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"pass keys per length (default {D.needle_samples})")
     lc.add_argument("--needle-seed", type=int, default=D.needle_seed)
     lc.add_argument("--longbench", choices=("auto", "off"), default=D.longbench,
-                    help="the paper's 16 English LongBench tasks through lm-eval: auto = when the Hub is "
-                         "reachable (skipped with the reason offline); off (default)")
+                    help="the paper's 16 English LongBench tasks through lm-eval: auto = from the documents "
+                         "`mla prefetch --longbench auto` staged (--prefetched, or $MLA_LM_EVAL_DATA), else "
+                         "when the Hub is reachable, else skipped with the reason; off (default)")
     lc.add_argument("--longbench-limit", type=int, help="at most N documents per LongBench task")
     lc.add_argument("--longbench-max-length", type=int,
                     help="prompt window in tokens (default: the model's max_position_embeddings)")
@@ -170,15 +171,15 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
     from mla.conversion import shapes
     from mla.errors import UserError
     from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
-    from mla.kv.quantized import quanto_missing
+    from mla.kv.quantized import original_group_problem
     from mla.modeling.cache_mla import cached_widths, check_quantization
 
     config = shapes.read_config(checkpoint)
     quantized = [b for b in bits if b != FULL_PRECISION_BITS]
     if config.get("model_type") != "mla_llama":
-        reason = quantized and quanto_missing()
+        reason = quantized and original_group_problem(config, group_size)
         if reason:
-            raise UserError(f"--kv-bits {','.join(map(str, quantized))}: {reason}")
+            raise UserError(f"--kv-bits {','.join(map(str, quantized))} --kv-group-size {group_size}: {reason}")
         return
     for b in quantized:
         try:
@@ -226,6 +227,11 @@ def run(args) -> int:
             os.environ[harness.LOCAL_DATA_ENV] = documents
     if args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
         harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
+    if args.longbench != "off":
+        from mla.evaluation import longbench
+
+        if longbench.local_root():                                        # staged: every subset's file present
+            harness.local_configs(longbench.local_root(), longbench.task_configs())
     if args.mmlu:
         from mla.evaluation import mmlu
 

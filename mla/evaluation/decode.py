@@ -31,8 +31,16 @@ def weight_bytes(model) -> int:
     left out (a step reads only B of its rows)."""
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
-    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
-    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if is_tied(out, emb) or p is not emb)
+
+
+def is_tied(output_embeddings, emb) -> bool:
+    """Whether the output head is the input embedding: the same parameter (tied weights are one object,
+    also on the meta device, where every data_ptr is 0) or, for real tensors, the same storage."""
+    if output_embeddings is None:
+        return False
+    head = output_embeddings.weight
+    return head is emb or (emb.device.type != "meta" and head.data_ptr() == emb.data_ptr())
 
 
 def resident_bytes(model) -> int:

@@ -272,10 +272,16 @@ def local_task_configs(root: str | Path, manager=None) -> list[dict]:
 
     UserError naming the variable and the file when a task's scored split is missing.
     """
+    return local_configs(root, paper_task_configs(manager))
+
+
+def local_configs(root: str | Path, task_configs: dict[str, dict]) -> list[dict]:
+    """These lm-eval task configs (name -> full config) reading their documents from `root`, in the layout
+    of the module docstring; UserError naming the variable and the file when a scored split is missing."""
     from mla.errors import UserError
 
     configs = []
-    for name, cfg in paper_task_configs(manager).items():
+    for name, cfg in task_configs.items():
         folder = local_data_folder(root, cfg)
         scored = folder / f"{_eval_split(cfg)}.jsonl"
         if not scored.is_file():

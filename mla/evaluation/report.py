@@ -20,7 +20,8 @@ says so in "status"/"reason" and carries no numbers:
                    mla_absorbed_q<bits>_tps, speedup_q<bits> (with --kv-bits)}
                   | {batch, context, status: ok, model_tps, ...}
                   | {batch, context, status: skipped, reason, need_bytes, free_bytes, ...}]}
-    kv_quant     {group_size, residual, backend: mla|quanto, blocks, scored_tokens_per_block, prefix_tokens,
+    kv_quant     {group_size, residual, backend: mla|quanto, implementation, loss_unit, dtype, blocks,
+                  scored_tokens_per_block, prefix_tokens,
                   bytes: {bits: kv_cache fields + bits, group_size, residual | {status: skipped, reason}},
                   bits: {bits: {status, mean_loss, mean_loss_stderr, perplexity, perplexity_stderr,
                                 loss_change, loss_change_stderr (vs 16, paired over blocks)}}} | null
@@ -205,14 +206,19 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
                 continue
             quant = quantized.KVQuant(b, opts.kv_group_size, opts.kv_residual)
             res = needle.needle_accuracy(model, tokenizer, lengths=lengths, samples=opts.needle_samples,
-                                         seed=opts.needle_seed, generate_kwargs=quantized.generate_kwargs(model, quant))
+                                         seed=opts.needle_seed, cache_factory=quantized.cache_factory(model, quant))
             out["needle"][str(b)] = {"status": "ok", **res}
             log(f"evaluate: pass key, {b}-bit cache: {100 * res['mean']:.1f} ± {100 * res['mean_stderr']:.1f} %")
     if opts.longbench != "off":
         out["longbench"] = longbench.longbench(model, tokenizer, limit=opts.longbench_limit,
                                                max_length=opts.longbench_max_length, batch_size=1)
-        if out["longbench"].get("status") == "skipped":
-            log(f"evaluate: skipped: {out['longbench']['skipped']}")
+        lb = out["longbench"]
+        if lb.get("status") == "skipped":
+            log(f"evaluate: skipped: {lb['skipped']}")
+        elif lb.get("mean") is not None:
+            log(f"evaluate: LongBench {100 * lb['mean']:.2f} ± {100 * (lb['mean_stderr'] or 0):.2f} (mean score x100 "
+                f"over 16 tasks, {lb['limit'] or 'all'} documents each, prompts cut to {lb['max_length']} tokens, "
+                f"{lb['documents']})")
     return out
 
 

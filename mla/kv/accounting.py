@@ -90,18 +90,23 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
         return []
     errors, seen = [], set()
     for v in experiments.all_variants(config):
-        if v.is_baseline or (v.model, v.d_kv, v.r) in seen:
+        if (v.model, v.d_kv, v.r, v.is_baseline) in seen:
             continue
-        seen.add((v.model, v.d_kv, v.r))
+        seen.add((v.model, v.d_kv, v.r, v.is_baseline))
         cfg = model_config(config, v.model, results)
         if cfg is None:           # shape unknown before download: the evaluation job checks it
             continue
         s = shapes.shape_of(cfg)
+        key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
+        group = group_size_for(e, v.model)
+        if (s.kv_heads * s.head_dim) % group:   # the original's and baseline's cache: quanto's groups of a token
+            errors.append((key, f"{group} does not divide the {s.kv_heads * s.head_dim} key channels per token "
+                                f"(n_kv·d_h) of {v.model}, which its original and baseline caches quantize"))
+        if v.is_baseline:
+            continue
         r = shapes.default_r(s.head_dim) if v.r is None else v.r
         # svd none keeps the joint factorisation at full rank: min(n_kv·(2d_h − 2r), hidden) latent channels
         latent = (min(s.kv_heads * (2 * s.head_dim - 2 * r), s.hidden) if v.d_kv is None else s.kv_heads * v.d_kv)
-        group = group_size_for(e, v.model)
-        key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
         for name, channels in (("latent", latent), ("RoPE key", s.kv_heads * 2 * r)):
             if channels and channels % group:
                 errors.append((key, f"{group} does not divide the {channels} channels of the {name} of "

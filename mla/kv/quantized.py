@@ -1,9 +1,11 @@
 """The quantized KV cache measured (paper Table 2): held-out loss decoded against the cache, per bit width.
 
 An MLA model quantizes its latent cache itself (`MLAQuantizedCache`, mla/modeling/cache_mla.py). The
-original model uses transformers' `QuantizedCache` with the optimum-quanto backend, as the paper's
-comparison rows do; it quantizes 2 or 4 bits per head and channel group and keeps its own
-full-precision window, flushed whole when full (KIVI), where ours slides token by token.
+original model uses transformers' quantized cache with optimum-quanto's procedure, as the paper's
+comparison rows do, written in torch (mla/kv/quanto_torch.py: no compiled extension, so it runs on
+compute nodes without a compiler); it quantizes 2 or 4 bits per group of consecutive values of a head
+and keeps its own full-precision window, flushed whole when full (KIVI), where ours slides token by
+token. Both return a prefill's prompt in full precision and quantize it for the later steps only.
 
 Loss with a cache: each held-out block is prefilled up to `scored` + 1 tokens from its end, then the
 last `scored` tokens are decoded one at a time against the cache (single-token steps: the absorbed
@@ -34,23 +36,13 @@ def is_mla(model) -> bool:
     return getattr(model.config, "model_type", "") == "mla_llama"
 
 
-def quanto_missing() -> str | None:
-    """Why transformers' quanto-backed cache cannot run here, or None."""
-    try:
-        import optimum.quanto  # noqa: F401
-    except ImportError:
-        return ("a quantized cache for the original (non-MLA) model needs optimum-quanto "
-                "(pip install optimum-quanto, or this project's [quant] extra)")
-    return None
-
-
 def unsupported(model, nbits: int) -> str | None:
-    """Why this model's cache cannot be measured at `nbits` here (original models: optimum-quanto), or None."""
-    if nbits == FULL_PRECISION_BITS or is_mla(model):
+    """Why this model's cache cannot be measured at `nbits` (original models: optimum-quanto's widths), or None."""
+    from mla.kv.quanto_torch import QUANTO_BITS
+
+    if nbits == FULL_PRECISION_BITS or is_mla(model) or nbits in QUANTO_BITS:
         return None
-    if nbits not in (2, 4):
-        return f"optimum-quanto quantizes a cache to 2 or 4 bits, not {nbits}"
-    return quanto_missing()
+    return f"optimum-quanto quantizes a cache to 2 or 4 bits, not {nbits}"
 
 
 def make_cache(model, quant: KVQuant | None):
@@ -65,25 +57,48 @@ def make_cache(model, quant: KVQuant | None):
                                      residual_length=quant.residual)
         except ValueError as exc:
             raise UserError(f"quantized cache: {exc}") from None
-    reason = unsupported(model, quant.nbits)
+    reason = unsupported(model, quant.nbits) or original_group_problem(model.config, quant.group_size)
     if reason:
-        raise UserError(reason)
-    from transformers.cache_utils import QuantizedCache
+        raise UserError(f"quantized cache: {reason}")
+    from mla.kv.quanto_torch import QuantoTorchCache
 
-    return QuantizedCache(backend="quanto", config=model.config, nbits=quant.nbits, q_group_size=quant.group_size,
-                          residual_length=quant.residual)
+    try:
+        return QuantoTorchCache(model.config, nbits=quant.nbits, q_group_size=quant.group_size,
+                                residual_length=quant.residual)
+    except ValueError as exc:
+        raise UserError(f"quantized cache: {exc}") from None
 
 
-def generate_kwargs(model, quant: KVQuant | None) -> dict:
-    """`generate()` arguments that build this cache afresh for every call (for callers that generate
-    several times, where one cache object cannot serve)."""
+def original_group_problem(config, group_size: int) -> str | None:
+    """Why `group_size` cannot group an original model's keys and values (quanto groups consecutive values
+    of a token's heads: the group size must divide n_kv·d_h for every prompt length), or None."""
+    from mla.conversion import shapes
+
+    s = shapes.shape_of(config if isinstance(config, dict) else config.to_dict())
+    width = s.kv_heads * s.head_dim
+    if group_size < 1 or width % group_size:
+        return f"group size {group_size} does not divide the {width} key (or value) channels of a token (n_kv·d_h)"
+    return None
+
+
+def cache_factory(model, quant: KVQuant | None):
+    """A function building this cache afresh for each `generate()` call (one cache object serves one call),
+    or None for the model's own full-precision cache; refuses bad settings now, before any generation."""
     if quant is None or quant.nbits == FULL_PRECISION_BITS:
-        return {}
-    make_cache(model, quant)          # the same refusals as a direct cache, before any generation
-    config = {"nbits": quant.nbits, "q_group_size": quant.group_size, "residual_length": quant.residual}
-    if not is_mla(model):
-        config["backend"] = "quanto"
-    return {"cache_implementation": "quantized", "cache_config": config}
+        return None
+    make_cache(model, quant)
+    return lambda: make_cache(model, quant)
+
+
+def implementation(model) -> str:
+    """Which code quantizes this model's cache (both in torch, without compiled extensions)."""
+    if is_mla(model):
+        return "MLAQuantizedCache (mla/modeling/cache_mla.py)"
+    return "QuantoTorchCache (mla/kv/quanto_torch.py: optimum-quanto 0.2.7's procedure in torch)"
+
+
+def _dtype(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def check_bits(bits: list[int]) -> None:
@@ -129,7 +144,9 @@ def quantized_cache_losses(model, blocks: np.ndarray, bits: list[int], *, group_
     n = len(blocks) if max_blocks is None else min(max_blocks, len(blocks))
     chosen = blocks[evenly_spaced(len(blocks), n)]
     widths = sorted(set(bits) | {FULL_PRECISION_BITS}, reverse=True)
-    out = {"backend": "mla" if is_mla(model) else "quanto", "group_size": group_size, "residual": residual,
+    out = {"backend": "mla" if is_mla(model) else "quanto", "implementation": implementation(model),
+           "group_size": group_size,
+           "residual": residual, "loss_unit": "nats per decoded token", "dtype": _dtype(model),
            "blocks": int(n), "scored_tokens_per_block": scored, "prefix_tokens": int(blocks.shape[1] - scored - 1),
            "bits": {}}
     per_block = {}
@@ -148,5 +165,7 @@ def quantized_cache_losses(model, blocks: np.ndarray, bits: list[int], *, group_
             diff, diff_se = mean_and_stderr(np.subtract(per_block[b], per_block[FULL_PRECISION_BITS]))
             entry.update(loss_change=diff, loss_change_stderr=diff_se)
         out["bits"][str(b)] = entry
-        log(f"evaluate: {b}-bit cache: loss {mean:.4f} ± {se or 0:.4f}")
+        what = "unquantized cache" if b == FULL_PRECISION_BITS else f"{b}-bit cache ({out['backend']})"
+        log(f"evaluate: {what}, {out['dtype']} model: loss {mean:.4f} ± {se or 0:.4f} nats per decoded token "
+            f"over {n} blocks")
     return out

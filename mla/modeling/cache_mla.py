@@ -14,8 +14,13 @@ independently of each other, so a token is quantized once, when it leaves the wi
 Bytes per quantized token and layer: C·nbits/8 packed + 2·(C/group_size) scale/zero elements, for
 C = n_kv·d_kv and C = n_kv·2r (see `quantized_bytes_per_token`).
 
-Every attention read goes through `update`, which returns what the cache holds (dequantized), so the
-attention of a step never sees a token more precisely than the cache stores it.
+Every attention read goes through `update`, which returns the tokens cached before the step as the cache
+holds them (dequantized) followed by the step's own tokens in full precision: a prefill attends to its
+prompt unquantized and later steps read it quantized, the procedure of transformers' `QuantizedLayer`
+(which quantizes a prompt on the way out of its first `update`), so both caches quantize only what later
+steps read. Scales are rounded up when stored, so a group's maximum stays within the integer range, and
+dequantization computes in fp32 and rounds once to the cache's dtype: the round trip errs by at most
+half a step plus that one rounding (in bf16 a second rounding would add up to half an 8-bit step more).
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ class QuantizedRows:
     def quantize(cls, x: torch.Tensor, nbits: int, group_size: int) -> "QuantizedRows":
         *lead, channels = x.shape
         groups = x.reshape(*lead, channels // group_size, group_size)
-        lo = groups.amin(-1)
-        scale = (groups.amax(-1) - lo) / (2 ** nbits - 1)
+        lo = groups.amin(-1)                                                # exact in x's dtype: one of its values
+        exact = (groups.amax(-1).float() - lo.float()) / (2 ** nbits - 1)
+        scale = _cast_rounding_up(exact, x.dtype)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))      # a constant group is exact with q = 0
         # quantize against the stored (cast) scale and zero, so dequantization inverts exactly what was done
         q = ((groups.float() - lo.unsqueeze(-1).float()) / scale.unsqueeze(-1).float()).round_()
@@ -67,10 +73,12 @@ class QuantizedRows:
         return cls(_pack(q, nbits), scale, lo, nbits)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """q·scale + zero computed in fp32 and rounded once to `dtype`."""
         q = _unpack(self.packed, self.nbits)
         *lead, channels = q.shape
-        groups = q.reshape(*lead, self.scale.shape[-1], -1).to(dtype)
-        return (groups * self.scale.unsqueeze(-1).to(dtype) + self.zero.unsqueeze(-1).to(dtype)).reshape(*lead, channels)
+        groups = q.reshape(*lead, self.scale.shape[-1], -1).float()
+        values = groups * self.scale.unsqueeze(-1).float() + self.zero.unsqueeze(-1).float()
+        return values.reshape(*lead, channels).to(dtype)
 
     @property
     def tokens(self) -> int:
@@ -88,6 +96,17 @@ class QuantizedRows:
         return QuantizedRows(*(torch.cat([a, b], dim=-2) for a, b in
                                ((self.packed, other.packed), (self.scale, other.scale), (self.zero, other.zero))),
                              self.nbits)
+
+
+def _cast_rounding_up(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative fp32 values cast to `dtype`, rounded up instead of to nearest: a scale rounded down
+    would map a group's maximum beyond the top integer, where clamping errs by up to a full step."""
+    cast = exact.to(dtype)
+    if dtype.itemsize >= exact.dtype.itemsize:
+        return cast
+    bits = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    next_up = (cast.view(bits) + 1).view(dtype)       # the next representable value above a positive float
+    return torch.where(cast.float() < exact, next_up, cast)
 
 
 def _pack(q: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -146,17 +165,19 @@ class MLAQuantizedLayer(MLALatentLayer):
         if not self.is_initialized:
             check_quantization(self.nbits, self.group_size,
                                cached_widths(latent.shape[-1], k_rope.shape[1] * k_rope.shape[-1]))
+        # what the tokens cached before this step read as: quantized ones dequantized, the window as it is
+        held = self._dequantize() if self.quantized is not None else None
         super().update(latent, k_rope)
+        window_latent, window_rope = self.keys, self.values        # the window and this step's tokens, full precision
         overflow = self.keys.shape[-2] - self.residual_length
-        if overflow > 0:                      # the oldest window tokens leave it: quantize them, once
+        if overflow > 0:                      # the oldest window tokens leave it: quantize them, once, for later steps
             old = self._quantize(self.keys[:, :overflow], self.values[:, :, :overflow])
             self.quantized = old if self.quantized is None else tuple(a.append(b) for a, b in zip(self.quantized, old))
             # copies, so the storage of the quantized tokens is freed rather than kept alive by a view
             self.keys, self.values = self.keys[:, overflow:].clone(), self.values[:, :, overflow:].clone()
-        if self.quantized is None:
-            return self.keys, self.values
-        old_latent, old_rope = self._dequantize()
-        return torch.cat([old_latent, self.keys], dim=-2), torch.cat([old_rope, self.values], dim=-2)
+        if held is None:
+            return window_latent, window_rope
+        return torch.cat([held[0], window_latent], dim=-2), torch.cat([held[1], window_rope], dim=-2)
 
     def _quantize(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[QuantizedRows, QuantizedRows]:
         b, n_kv, t, rope = k_rope.shape

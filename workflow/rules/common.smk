@@ -187,7 +187,7 @@ EVALUATE_ENV = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"
 
 def needs_prefetch():
     e = config["evaluate"]
-    return e["mmlu"] != 0 or e["paper_tasks"] == "auto"
+    return e["mmlu"] != 0 or e["paper_tasks"] == "auto" or e["longbench"] == "auto"
 
 
 def prefetch_inputs(wc):
@@ -196,7 +196,8 @@ def prefetch_inputs(wc):
 
 def prefetch_args():
     e = config["evaluate"]
-    return ("--mmlu " if e["mmlu"] != 0 else "") + f"--paper-tasks {e['paper_tasks']}"
+    return (("--mmlu " if e["mmlu"] != 0 else "") + f"--paper-tasks {e['paper_tasks']}"
+            + (" --longbench auto" if e["longbench"] == "auto" else ""))
 
 
 # ---------------------------------------------------------------- figures rules

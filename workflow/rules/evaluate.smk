@@ -1,4 +1,4 @@
-# The data the evaluations need (MMLU wheel, the paper's lm-eval tasks), fetched on the submitting host.
+# The data the evaluations need (MMLU wheel, the paper's lm-eval tasks, LongBench), fetched on the submitting host.
 rule evaluation_data:
     output:
         PREFETCH_MANIFEST,
