@@ -1,7 +1,7 @@
 """KV-cache accounting: bytes measured from cache objects, elements and bytes predicted from configs.
 
 Full precision: 2·n_kv·d_h elements per token and layer (Llama), n_kv·(d_kv + 2r) (MLA: the latent and
-the RoPE'd keys). Quantized to b bits with a scale and a zero point per group of g channels of a token
+the RoPE'd keys), kv_lora_rank + 2m for the shared RoPE layout (mla/conversion/layout.py). Quantized to b bits with a scale and a zero point per group of g channels of a token
 (mla/modeling/cache_mla.py): C·b/8 + 2·(C/g)·s bytes for each cached row of C channels, s the bytes of
 a scale; the newest `residual` tokens stay in full precision.
 """
@@ -42,7 +42,8 @@ def cached_rows(config) -> list[int]:
     cfg = config if isinstance(config, dict) else config.to_dict()
     s = shapes.shape_of(cfg)
     if cfg.get("model_type") == "mla_llama":
-        return [cfg["kv_lora_rank"], s.kv_heads * cfg["qk_rope_head_dim"]]
+        rope_heads = 1 if cfg.get("rope_layout", "per_head") == "shared" else s.kv_heads
+        return [cfg["kv_lora_rank"], rope_heads * cfg["qk_rope_head_dim"]]
     return [s.kv_heads * s.head_dim] * 2
 
 
