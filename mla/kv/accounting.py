@@ -82,6 +82,7 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
     """(config key, message) for each variant whose cached rows `evaluate.kv_group_size` does not divide,
     found at parse time rather than in an evaluation job after its training (arithmetic only: the same
     rule as mla/modeling/cache_mla.check_quantization, without importing torch)."""
+    from mla.conversion.layout import resolve
     from mla.study import experiments
     from mla.training.memory import model_config
 
@@ -89,21 +90,25 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
     bits = [b for b in e["kv_bits"] if b != FULL_PRECISION_BITS]
     if not bits:
         return []
-    errors, seen = [], set()
+    errors, seen, configs = [], set(), {}
     for v in experiments.all_variants(config):
-        if v.is_baseline or (v.model, v.d_kv, v.r) in seen:
+        if v.is_baseline:
             continue
-        seen.add((v.model, v.d_kv, v.r))
-        cfg = model_config(config, v.model, results)
+        if v.model not in configs:
+            configs[v.model] = model_config(config, v.model, results)
+        cfg = configs[v.model]
         if cfg is None:           # shape unknown before download: the evaluation job checks it
             continue
-        s = shapes.shape_of(cfg)
-        r = shapes.default_r(s.head_dim) if v.r is None else v.r
-        # svd none keeps the joint factorisation at full rank: min(n_kv·(2d_h − 2r), hidden) latent channels
-        latent = (min(s.kv_heads * (2 * s.head_dim - 2 * r), s.hidden) if v.d_kv is None else s.kv_heads * v.d_kv)
+        try:
+            layout = resolve(cfg, **v.budget())
+        except ValueError:        # a budget the model cannot hold: mla.study.layout_check names it
+            continue
+        if (v.model, layout.kv_lora_rank, layout.rope_dims) in seen:
+            continue
+        seen.add((v.model, layout.kv_lora_rank, layout.rope_dims))
         group = group_size_for(e, v.model)
         key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
-        for name, channels in (("latent", latent), ("RoPE key", s.kv_heads * 2 * r)):
+        for name, channels in (("latent", layout.kv_lora_rank), ("RoPE key", layout.rope_dims)):
             if channels and channels % group:
                 errors.append((key, f"{group} does not divide the {channels} channels of the {name} of "
                                     f"{v.experiment}/{v.name} ({v.model})"))
