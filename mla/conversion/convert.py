@@ -216,7 +216,7 @@ def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rot
 
 
 @torch.no_grad()
-def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
+def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
                   svd: str = DEFAULT_SVD, release_source: bool = False, covariances: dict | None = None,
                   whiten: bool = False, *, latent: str = DEFAULT_LATENT, kv_width: int | None = None,
                   rope_share=None):

@@ -206,10 +206,7 @@ def resolve(config: dict, *, strategy: str, svd: str, d_kv: int | None = None, r
             want = components if shared else components // s.kv_heads
             raise LayoutError("rope_share", f"rope_share={rope_share} of kv_width={kv_width} asks for {want} "
                                             f"{what}, but the model has {have}")
-        rank = kv_width - dims
-        if rank <= 0:
-            raise LayoutError("kv_width", f"kv_width={kv_width} leaves no room for a latent beside its {dims} "
-                                          f"RoPE dims (rope_share={rope_share})")
+        rank = kv_width - dims         # >= 1: parse_share keeps the share below 1
         layout = Layout(rope_components=components, kv_lora_rank=rank, budget="kv_width", **common)
     else:
         r = shapes.default_r(s.head_dim) if r is None else r
