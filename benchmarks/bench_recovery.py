@@ -17,7 +17,8 @@ One calibration pass over training blocks gives the 2-norm scores, the rotation'
 covariances. Every model is scored on the same held-out blocks (evenly spaced over the validation split);
 `loss_se` is the paired standard error of the per-block loss change against the original model (the
 blocks are shared, so most of the between-block variance cancels), `original_loss_se` the SE of the
-original's own mean loss. `loss_after_fit` stays null unless a fitting function is passed to `run`
+original's own mean loss; `change_vs_previous_row` (± its paired SE) is each step of the cumulative ablation,
+and every row carries its per-block losses (`block_losses`, `original_block_losses`) for other comparisons. `loss_after_fit` stays null unless a fitting function is passed to `run`
 (`fit(converted, original, train_blocks) -> fitted model`), which the layer-wise fit will provide.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_recovery.py --model ~/.cache/mla/smollm2-135m-instruct-fp32 \\
@@ -113,6 +114,8 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
         if method.key() in measured:        # the very same conversion as an earlier row
             row = dict(measured[method.key()], method=method.name, note=f"the conversion of "
                        f"'{measured[method.key()]['method']}'", seconds=0.0)
+            row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(row["block_losses"],
+                                                                                     rows[-1]["block_losses"])
             rows.append(row)
             log(f"{method.name}: {row['note']}")
             continue
@@ -141,6 +144,9 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
                "original_loss": original_loss, "original_loss_se": original_se,
                "output_error_mean": report.get("output_error_mean"), "params_after": report["params_after"],
                "note": note}
+        if rows:   # the step of the cumulative ablation (for a "beside" row: the layout beside it at that split)
+            row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(losses, rows[-1]["block_losses"])
+        row["block_losses"] = losses
         if fit_losses is not None:
             row["loss_after_fit"] = sum(fit_losses) / len(fit_losses)
             row["loss_change_after_fit"], row["loss_se_after_fit"] = paired(fit_losses, original)
@@ -152,18 +158,20 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
         measured[method.key()] = row
         previous = (converted, row, losses)
     for row in rows:
-        row.update(blocks=len(original), tokens=tokens, calibration_blocks=n,
+        row.update(blocks=len(original), tokens=tokens, calibration_blocks=n, original_block_losses=original,
                    loss_se_kind="paired SE of the per-block loss change against the original model")
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| method | cached per layer (RoPE + latent) | loss after conversion | change vs original ± paired SE |",
-             "|---|---|---|---|"]
+    lines = ["| method | cached per layer (RoPE + latent) | loss after conversion | change vs original ± paired SE "
+             "| vs the row above ± paired SE |", "|---|---|---|---|---|"]
     for r in rows:
+        step = r.get("change_vs_previous_row")
+        step = "" if step is None else f"{step:+.3f} ± {r['change_vs_previous_row_se']:.3f}"
         lines.append(f"| {r['method']} | {r['kv_elements_per_token_layer']} ({r['rope_dims_per_layer']} + "
                      f"{r['latent_per_layer']}) | {r['loss_after_conversion']:.3f} | {r['loss_change']:+.3f} ± "
-                     f"{r['loss_se']:.3f} |")
+                     f"{r['loss_se']:.3f} | {step} |")
     o = rows[0]
     lines.append(f"\noriginal: {o['original_loss']:.3f} ± {o['original_loss_se']:.3f} on {o['blocks']} held-out "
                  f"blocks ({o['tokens']} tokens); calibration on {o['calibration_blocks']} training blocks")

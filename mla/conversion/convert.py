@@ -23,7 +23,12 @@ import torch
 from mla.conversion import layout as layouts
 from mla.conversion import lowrank, partial_rope, rotation, shapes
 from mla.errors import UserError
-from mla.study.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+from mla.study.options import (
+    CALIBRATED_ROPE_STRATEGIES,
+    DEFAULT_LATENT,
+    DEFAULT_ROPE_STRATEGY,
+    DEFAULT_SVD,
+)
 
 
 def _mla_config(src_config, kv_lora_rank: int, pairs: list, split: bool, provenance: dict,
