@@ -254,7 +254,7 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
         pairs = [[layer.pairs] for layer in rotated]
     else:
         if isinstance(calibration, dict):
-            calibration = calibration["scores"]
+            calibration = calibration.get("scores")
         try:
             pair_tensor = partial_rope.select_pairs(strategy, layout.r, s.layers, s.kv_heads, s.head_dim, calibration)
         except ValueError as exc:

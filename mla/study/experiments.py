@@ -201,7 +201,8 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
             r=s["r"], rope_strategy=s["rope_strategy"] or DEFAULT_ROPE_STRATEGY, svd=svd,
             whiten=bool(s["whiten"]) and svd != "none",     # an experiment's whitening skips full-rank variants
             train=train_settings(config, experiment, own), paper=own.get("paper"),
-            latent=s["latent"] or DEFAULT_LATENT, kv_width=s.get("kv_width"), rope_share=s.get("rope_share")))
+            latent=s["latent"] or DEFAULT_LATENT, rope_share=s.get("rope_share"),
+            kv_width=None if s.get("kv_width") is None else int(s["kv_width"])))   # YAML may give 72.0
     if exp.get("baseline", True):
         own = (exp.get("overrides") or {}).get("baseline", {})
         out.append(Variant(experiment=experiment, name="baseline", label=own.get("label", kind), model=exp["model"],
