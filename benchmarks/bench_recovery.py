@@ -17,7 +17,8 @@ One calibration pass over training blocks gives the 2-norm scores, the rotation'
 covariances. Every model is scored on the same held-out blocks (evenly spaced over the validation split);
 `loss_se` is the paired standard error of the per-block loss change against the original model (the
 blocks are shared, so most of the between-block variance cancels), `original_loss_se` the SE of the
-original's own mean loss; `change_vs_previous_row` (± its paired SE) is each step of the cumulative ablation,
+original's own mean loss; `change_vs_previous_row` (± its paired SE) is each step of the cumulative ablation (a "beside" row's: against
+the step it stands beside),
 and every row carries its per-block losses (`block_losses`, `original_block_losses`) for other comparisons. `loss_after_fit` stays null unless a fitting function is passed to `run`
 (`fit(converted, original, train_blocks) -> fitted model`), which the layer-wise fit will provide.
 
@@ -45,6 +46,7 @@ class Method:
     options: dict = field(default_factory=dict)
     whiten: bool = False
     same_function: bool = False
+    beside: bool = False          # another layout at the row above's split, not a step of the ablation
 
     def key(self) -> str:
         """What the conversion computes: equal keys are one conversion, measured once."""
@@ -71,7 +73,7 @@ def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per
                               dict(split, strategy="rotated", latent="shared"), whiten=True))
         if dims in per_head_splits and dims % (2 * n_kv) == 0:
             methods.append(Method(f"  beside: 2-norm per head r {dims // (2 * n_kv)} + latent {width - dims}, "
-                                  "activation-aware", dict(split, strategy="2-norm"), whiten=True))
+                                  "activation-aware", dict(split, strategy="2-norm"), whiten=True, beside=True))
     return methods
 
 
@@ -108,15 +110,16 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
     original, tokens = per_block_losses(model, valid_blocks, batch_size, blocks)
     original_loss, original_se = mean_and_stderr(original)
     log(f"original: {original_loss:.3f} ± {original_se:.3f} on {len(original)} held-out blocks ({tokens} tokens)")
-    rows, measured, previous = [], {}, None
+    rows, steps, measured, previous = [], [], {}, None
     for method in methods:
         t0 = time.perf_counter()
         if method.key() in measured:        # the very same conversion as an earlier row
             row = dict(measured[method.key()], method=method.name, note=f"the conversion of "
                        f"'{measured[method.key()]['method']}'", seconds=0.0)
             row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(row["block_losses"],
-                                                                                     rows[-1]["block_losses"])
+                                                                                     steps[-1]["block_losses"])
             rows.append(row)
+            steps += [] if method.beside else [row]
             log(f"{method.name}: {row['note']}")
             continue
         converted, report = convert_model(model, scores=cal, covariances=covariances, whiten=method.whiten,
@@ -144,8 +147,8 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
                "original_loss": original_loss, "original_loss_se": original_se,
                "output_error_mean": report.get("output_error_mean"), "params_after": report["params_after"],
                "note": note}
-        if rows:   # the step of the cumulative ablation (for a "beside" row: the layout beside it at that split)
-            row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(losses, rows[-1]["block_losses"])
+        if steps:   # the step of the cumulative ablation; a "beside" row against the step it stands beside
+            row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(losses, steps[-1]["block_losses"])
         row["block_losses"] = losses
         if fit_losses is not None:
             row["loss_after_fit"] = sum(fit_losses) / len(fit_losses)
@@ -155,6 +158,7 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
             f"[{row['rope_dims_per_layer']} RoPE + {row['latent_per_layer']} latent] {row['seconds']} s"
             + (f" ({note})" if note else ""))
         rows.append(row)
+        steps += [] if method.beside else [row]
         measured[method.key()] = row
         previous = (converted, row, losses)
     for row in rows:
@@ -165,7 +169,7 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| method | cached per layer (RoPE + latent) | loss after conversion | change vs original ± paired SE "
-             "| vs the row above ± paired SE |", "|---|---|---|---|---|"]
+             "| vs the step above ± paired SE |", "|---|---|---|---|---|"]
     for r in rows:
         step = r.get("change_vs_previous_row")
         step = "" if step is None else f"{step:+.3f} ± {r['change_vs_previous_row_se']:.3f}"
