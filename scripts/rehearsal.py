@@ -295,7 +295,9 @@ def check_outputs(workdir: Path) -> list[str]:
             if v.is_baseline:
                 continue
             conv = load_json(workdir / v.convert_dir / "conversion.json")
-            if conv and (conv.get("d_kv"), conv.get("rope_strategy"), conv.get("svd")) != (v.d_kv, v.rope_strategy, v.svd):
+            configured_d_kv = (conv or {}).get("d_kv") if v.d_kv is None else v.d_kv   # a width budget: no d_kv
+            if conv and (conv.get("d_kv"), conv.get("rope_strategy"), conv.get("svd")) != (configured_d_kv,
+                                                                                       v.rope_strategy, v.svd):
                 problems.append(f"{v.convert_dir}/conversion.json: d_kv {conv.get('d_kv')}, "
                                 f"{conv.get('rope_strategy')}, {conv.get('svd')}; configured {v.d_kv}, "
                                 f"{v.rope_strategy}, {v.svd}")

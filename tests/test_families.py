@@ -76,6 +76,21 @@ def test_full_rank_all_pairs_is_the_original(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_rotated_rope_with_every_component_kept_is_the_original(family):
+    """The rotated layout (one shared RoPE key, mla/conversion/rotation.py) with every component kept, at full
+    rank: every RoPE scaling, Qwen2's biases and yarn's folded query scale carry over exactly."""
+    model = family_model(family)
+    x = ids()
+    cal = calibrate.calibration_pass(model, list(ids(batch=4, length=16, seed=3)), batch_size=4)
+    converted, _ = convert_model(model, d_kv=None, r=HEAD_DIM // 2, strategy="rotated", scores=cal, svd="none",
+                                 latent="shared")
+    with torch.no_grad():
+        assert (converted(x).logits - model(x).logits).abs().max().item() <= TOL
+    prompt = ids(batch=1)                                # past the short context, where the scalings matter
+    assert torch.equal(greedy(converted, prompt), greedy(model, prompt))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_reduced_rank_cache_holds_the_formula(family):
     original = family_model(family)
     converted, report = convert_model(original, d_kv=4, r=2, strategy="uniform")
@@ -124,6 +139,26 @@ def test_yarn_attention_factor_reaches_the_dims_without_rope():
         for layer in converted.model.layers:           # undo the fold: the nope dims lose the factor
             q = layer.self_attn.q_proj.weight.view(4, HEAD_DIM, -1)
             q[:, HEAD_DIM - 2:] /= scale
+        unfolded = (converted(x).logits - ref).abs().max().item()
+    assert folded <= 1e-3 and unfolded >= 100 * folded
+
+
+def test_yarn_attention_factor_reaches_the_rotated_layouts_query_without_rope():
+    """The same for the rotated layout, whose no-RoPE query is the head's whole query: drop both rotated
+    components of yarn's slowest pair (its query norms zeroed, so they score lowest)."""
+    model = family_model("llama-rope-yarn")
+    x = ids(length=6)
+    cal = calibrate.calibration_pass(model, list(ids(batch=4, length=16, seed=3)), batch_size=4)
+    cal["query_pair_norms"][:, :, -1] = 0
+    m = 2 * (HEAD_DIM // 2 - 1)
+    converted, report = convert_model(model, r=HEAD_DIM // 2 - 1, strategy="rotated", scores=cal, svd="none")
+    assert all(k != HEAD_DIM // 2 - 1 for layer in report["rotated_components_per_layer"] for k, _ in layer)
+    scale = converted.config.mha2mla["nope_query_scale"]
+    with torch.no_grad():
+        ref = model(x).logits
+        folded = (converted(x).logits - ref).abs().max().item()
+        for layer in converted.model.layers:           # undo the fold on the [2m RoPE | d_h] query heads
+            layer.self_attn.q_proj.weight.view(4, 2 * m + HEAD_DIM, -1)[:, 2 * m:] /= scale
         unfolded = (converted(x).logits - ref).abs().max().item()
     assert folded <= 1e-3 and unfolded >= 100 * folded
 

@@ -1,6 +1,7 @@
 """`mla calibrate`: 2-norm scores of every RoPE frequency pair, from token blocks of the training data."""
 
-HELP = "compute 2-norm partial-RoPE scores (mean ‖q‖·‖k‖ per pair, per layer and KV head) for a model"
+HELP = ("compute 2-norm partial-RoPE scores (mean ‖q‖·‖k‖ per pair, per layer and KV head) for a model, with the "
+        "keys' pair covariances across K/V heads that the rotated strategy needs")
 
 
 def _batch_size(text: str):
@@ -67,7 +68,10 @@ def run(args):
         _write_covariances(args, model, result, batch_size)
     out = _save_atomically({"scores": scores, "samples": n, "block_length": block_length, "model": str(args.model),
                             "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-                            "score": "mean|q|*mean|k| summed over the GQA group"}, args.out)
+                            "score": "mean|q|*mean|k| summed over the GQA group",
+                            # for --rope-strategy rotated (mla/conversion/rotation.py)
+                            "query_pair_norms": result["query_pair_norms"],
+                            "pair_covariance": result["pair_covariance"]}, args.out)
     print(f"wrote {out}: scores {list(scores.shape)} from {n} blocks of {block_length} tokens")
     return 0
 

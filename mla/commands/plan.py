@@ -1,5 +1,8 @@
-"""`mla plan`: what a conversion gives (parameters, KV elements), or with --train the per-GPU memory of a
-training job (model states per ZeRO stage, activations, buffers), from the config alone."""
+"""`mla plan`: what a conversion gives (parameters, KV elements, the cache's split between RoPE dims and
+latent per layer), or with --train the per-GPU memory of a training job (model states per ZeRO stage,
+activations, buffers), from the config alone."""
+
+from mla.study.options import DEFAULT_LATENT, LATENT_LAYOUTS, ROPE_STRATEGIES
 
 HELP = ("print parameter counts and KV-cache size before/after conversion, or (--train) the per-GPU memory of "
         "a training job, as JSON, without loading weights")
@@ -12,8 +15,17 @@ def add_arguments(p):
     p.add_argument("--d-kv", type=int, action="append",
                    help="latent size per KV head (repeatable; default d_h/2, d_h/4, d_h/8); with --train: plan the "
                         "converted model (once)")
-    p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16)")
+    p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16); rotated: n_kv·r "
+                                         "components, the same cached width")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
+    p.add_argument("--rope-strategy", default="high", choices=ROPE_STRATEGIES,
+                   help="only its layout matters here: rotated = one RoPE key shared by all query heads (2m dims "
+                        "per layer), any other = a RoPE key per KV head (default)")
+    p.add_argument("--latent", default=DEFAULT_LATENT, choices=LATENT_LAYOUTS,
+                   help="per_head (default): k_up/v_up rebuild n_kv heads; shared: one per query head")
+    p.add_argument("--kv-width", type=int, metavar="W",
+                   help="budget by cache width: elements per token and layer (with --rope-share; not with --d-kv/--r)")
+    p.add_argument("--rope-share", metavar="S", help="fraction of --kv-width given to RoPE dims (e.g. 1/3)")
     q = p.add_argument_group("quantized latent cache (paper Table 2)")
     q.add_argument("--kv-bits", type=int, action="append", choices=[2, 4, 8],
                    help="also give the cache per token quantized to this many bits (repeatable), against the "
@@ -49,37 +61,43 @@ def run(args):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')} plans a training job: add --train")
 
-    from mla.conversion import convert
+    from mla.conversion import layout as layouts
 
     s = shapes.shape_of(config)
-    r = shapes.default_r(s.head_dim) if args.r is None else args.r
-    d_kvs = args.d_kv or [s.head_dim // 2, s.head_dim // 4, s.head_dim // 8]
+    budget = dict(strategy=args.rope_strategy, svd=args.svd, latent=args.latent)
+    if args.kv_width is not None or args.rope_share is not None:
+        if args.d_kv and args.kv_width is not None:
+            raise UserError(f"--kv-width {args.kv_width} gives the cache width; leave out --d-kv")
+        plans = [layouts.resolve(config, kv_width=args.kv_width, rope_share=args.rope_share, r=args.r, **budget)]
+    else:
+        r = shapes.default_r(s.head_dim) if args.r is None else args.r
+        d_kvs = args.d_kv or [s.head_dim // 2, s.head_dim // 4, s.head_dim // 8]
+        plans = [layouts.resolve(config, d_kv=d_kv, r=r, **budget) for d_kv in d_kvs]
     rows = []
-    for d_kv in d_kvs:
-        convert.resolve_options(config, d_kv, r, "high", args.svd)
-        row = shapes.plan(config, d_kv, r, split=args.svd == "split")
+    for layout in plans:
+        row = shapes.plan_layout(config, layout)
         if args.kv_bits:
-            row["kv_quantized"] = [_quantized(s, d_kv, r, bits, args.group_size, args.scale_bytes)
+            row["kv_quantized"] = [_quantized(s, layout, bits, args.group_size, args.scale_bytes)
                                    for bits in args.kv_bits]
         rows.append(row)
     print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
     return 0
 
 
-def _quantized(s, d_kv: int, r: int, bits: int, group_size: int, scale_bytes: int) -> dict:
+def _quantized(s, layout, bits: int, group_size: int, scale_bytes: int) -> dict:
     """The converted cache per token at `bits`, against the original's 16-bit K and V (long-context limit:
     every token quantized, the full-precision window left out)."""
     from mla.conversion import shapes
     from mla.errors import UserError
     from mla.modeling.cache_mla import cached_widths, check_quantization, quantized_bytes_per_token
 
-    rows = cached_widths(s.kv_heads * d_kv, s.kv_heads * 2 * r)
+    rows = cached_widths(layout.kv_lora_rank, layout.rope_dims)
     try:
         check_quantization(bits, group_size, rows)
     except ValueError as exc:
         raise UserError(f"--kv-bits {bits} --group-size {group_size}: {exc}") from None
     before_bytes = shapes.kv_elements_original(s) * 2
-    element_bytes = shapes.kv_elements_mla(s, d_kv, r) * bits / 8
+    element_bytes = s.layers * layout.kv_width * bits / 8
     with_overhead = s.layers * sum(quantized_bytes_per_token(c, bits, group_size, scale_bytes)
                                    for c in rows.values() if c)
     return {"bits": bits, "group_size": group_size, "scale_bytes": scale_bytes,

@@ -3,6 +3,10 @@
 score[layer, kv_head, k] = Σ_{query heads h of the group} mean‖q_h^{[k]}‖ · mean‖k_g^{[k]}‖, the means
 taken over tokens and then over samples, q and k pre-RoPE (the pair norm is rotation-invariant).
 
+The same pass gives what the `rotated` strategy needs (mla/conversion/rotation.py): each query head's mean
+pair norms (before they are summed into group scores) and the second moment of the keys' pair vectors across
+the K/V heads, C_k = E_t[K_k K_kᵀ] (K_k: the n_kv x 2 matrix of every K/V head's pair-k components).
+
 The model runs where it lies (CPU or GPU, in its dtype); the pair norms are taken in fp32 and summed
 over samples in fp64, so the scores do not depend on the batch size.
 """
@@ -104,7 +108,11 @@ def _attention_inputs(model, blocks, batch_size: int, consume) -> int:
 def calibration_pass(model, blocks, batch_size: int = 2, scores: bool = True, covariance: bool = False):
     """One pass over the blocks: 2-norm scores [L, n_kv, d_h/2] and/or the second moment of every layer's
     attention input, E[x xᵀ] [L, d, d] (fp64 sums, returned in fp32 on the CPU), as {"scores", "covariance",
-    "tokens"}. Batches go to the model's device."""
+    "tokens"}. With the scores come "query_pair_norms" [L, n_h, d_h/2] (mean ‖q_h^[k]‖ per query head) and
+    "pair_covariance" [L, d_h/2, n_kv, n_kv] (E_t[K_k K_kᵀ]), for the rotated strategy. Batches go to the
+    model's device."""
+    from mla.conversion.rotation import pair_second_moment
+
     cfg = model.config
     head_dim = _head_dim(cfg)
     device = next(model.parameters()).device
@@ -112,13 +120,17 @@ def calibration_pass(model, blocks, batch_size: int = 2, scores: bool = True, co
     q_sum = torch.zeros(layers, cfg.num_attention_heads, head_dim // 2, dtype=torch.float64, device=device)
     k_sum = torch.zeros(layers, cfg.num_key_value_heads, head_dim // 2, dtype=torch.float64, device=device)
     cov = torch.zeros(layers, cfg.hidden_size, cfg.hidden_size, dtype=torch.float64, device=device) if covariance else None
+    n_kv = cfg.num_key_value_heads
+    pair_cov = torch.zeros(layers, head_dim // 2, n_kv, n_kv, dtype=torch.float64, device=device) if scores else None
     tokens = 0
 
     def consume(i, attn, h):
         nonlocal tokens
         if scores:
             q_sum[i] += pair_norms(attn.q_proj(h).float(), head_dim).mean(dim=1).sum(dim=0).double()
-            k_sum[i] += pair_norms(attn.k_proj(h).float(), head_dim).mean(dim=1).sum(dim=0).double()
+            keys = attn.k_proj(h).float()
+            k_sum[i] += pair_norms(keys, head_dim).mean(dim=1).sum(dim=0).double()
+            pair_cov[i] += pair_second_moment(keys, head_dim)
         if i == 0:
             tokens += h.shape[0] * h.shape[1]
         if covariance:
@@ -129,6 +141,8 @@ def calibration_pass(model, blocks, batch_size: int = 2, scores: bool = True, co
     out: dict = {"tokens": tokens}
     if scores:
         out["scores"] = group_scores((q_sum / count).float().cpu(), (k_sum / count).float().cpu())
+        out["query_pair_norms"] = (q_sum / count).float().cpu()
+        out["pair_covariance"] = (pair_cov / tokens).float().cpu()
     if covariance:
         out["covariance"] = (cov / tokens).float().cpu()
     return out

@@ -3,6 +3,9 @@
 Per layer: the query rows are permuted per head to [rope dims | nope dims] (the order of the key's
 dims in the converted attention, so q·k is unchanged); the kept RoPE rows of W_k become k_rope_proj;
 [W_k,nope ; W_v] is factorised by SVD into kv_down and k_up / v_up. Everything else is reused as is.
+The `rotated` strategy instead mixes the K/V heads per frequency pair (mla/conversion/rotation.py): one RoPE
+key shared by all query heads, each query head [its rotated RoPE rows | its whole query]. A shared latent
+(mla/conversion/layout.py) repeats each K/V head's k_up / v_up rows for its query heads.
 
 The conversion streams layer by layer: the MLA model is built on the meta device and each layer's new
 weights are assigned as they are computed, while the source layer's K/V weights are released, so the
@@ -17,19 +20,26 @@ from pathlib import Path
 
 import torch
 
-from mla.conversion import lowrank, partial_rope, shapes
+from mla.conversion import layout as layouts
+from mla.conversion import lowrank, partial_rope, rotation, shapes
 from mla.errors import UserError
-from mla.study.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+from mla.study.options import (
+    CALIBRATED_ROPE_STRATEGIES,
+    DEFAULT_LATENT,
+    DEFAULT_ROPE_STRATEGY,
+    DEFAULT_SVD,
+)
 
 
-def _mla_config(src_config, kv_lora_rank: int, pairs: torch.Tensor, split: bool, provenance: dict):
+def _mla_config(src_config, kv_lora_rank: int, pairs: list, split: bool, provenance: dict,
+                rope_layout: str = "per_head", latent: str = DEFAULT_LATENT):
     from mla.modeling import MLAConfig
 
     allowed = {f.name for f in fields(MLAConfig)}
     values = {k: v for k, v in src_config.to_dict().items() if k in allowed}
     qkv_bias, o_bias = shapes.attention_biases(src_config.to_dict())
-    values.update(kv_lora_rank=kv_lora_rank, rope_pairs=pairs.tolist(), latent_split=split, mha2mla=provenance,
-                  attention_bias=qkv_bias, o_proj_bias=o_bias)
+    values.update(kv_lora_rank=kv_lora_rank, rope_pairs=pairs, latent_split=split, mha2mla=provenance,
+                  attention_bias=qkv_bias, o_proj_bias=o_bias, rope_layout=rope_layout, latent_layout=latent)
     config = MLAConfig(**values)
     config.architectures = ["MLAForCausalLM"]
     config._attn_implementation = src_config._attn_implementation
@@ -44,18 +54,48 @@ def _gather_rows(weight: torch.Tensor, index: torch.Tensor, head_dim: int) -> to
     return torch.gather(w, 1, idx).reshape(-1, *weight.shape[1:])
 
 
-def _scale_nope_rows(weight: torch.Tensor, rope_dim: int, head_dim: int, scale: float) -> torch.Tensor:
-    """Rows [heads·d_h, ...] laid out per head as [rope | nope], with the nope rows multiplied by `scale`."""
-    w = weight.reshape(-1, head_dim, *weight.shape[1:]).clone()
+def _scale_nope_rows(weight: torch.Tensor, rope_dim: int, head_width: int, scale: float) -> torch.Tensor:
+    """Rows [heads·head_width, ...] laid out per head as [rope | nope], with the nope rows multiplied by `scale`."""
+    w = weight.reshape(-1, head_width, *weight.shape[1:]).clone()
     w[:, rope_dim:] *= scale
     return w.reshape(weight.shape)
 
 
-def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_dim: int,
+def _repeat_heads(rows: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """Rows [heads·w, ...] with each head's block repeated for the `groups` query heads that read it."""
+    if groups == 1:
+        return rows
+    return rows.reshape(heads, -1, *rows.shape[1:]).repeat_interleave(groups, dim=0).reshape(-1, *rows.shape[1:])
+
+
+def _rotated_rows(attn, rotated: rotation.RotatedLayer, head_dim: int) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """The shared RoPE layout's query and RoPE-key weights (and biases), and the no-RoPE key rows [n_kv·d_h, d]
+    with their bias: per query head [rotated RoPE rows (2m) | the whole unrotated query (d_h)]."""
+    n_h = attn.q_proj.weight.shape[0] // head_dim
+    w_q, w_k = attn.q_proj.weight.data, attn.k_proj.weight.data
+    q_rows = torch.cat([rotation.rope_query_rows(w_q, rotated, head_dim), w_q.reshape(n_h, head_dim, -1)], dim=1)
+    out = {"q_proj.weight": q_rows.reshape(-1, w_q.shape[1]),
+           "k_rope_proj.weight": rotation.rope_key_rows(w_k, rotated, head_dim)}
+    nope_bias = None
+    if attn.q_proj.bias is not None:
+        b_q, b_k = attn.q_proj.bias.data, attn.k_proj.bias.data
+        out["q_proj.bias"] = torch.cat([rotation.rope_query_rows(b_q, rotated, head_dim),
+                                        b_q.reshape(n_h, head_dim)], dim=1).reshape(-1)
+        out["k_rope_proj.bias"] = rotation.rope_key_rows(b_k, rotated, head_dim)
+        nope_bias = rotation.nope_key_rows(b_k, rotated, head_dim)
+    return out, rotation.nope_key_rows(w_k, rotated, head_dim), nope_bias
+
+
+def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str, head_dim: int,
                   nope_query_scale: float = 1.0, fit_covariance: torch.Tensor | None = None,
-                  report_covariance: torch.Tensor | None = None) -> tuple[dict, dict]:
+                  report_covariance: torch.Tensor | None = None, *, rotated: rotation.RotatedLayer | None = None,
+                  shared_latent: bool = False) -> tuple[dict, dict]:
     """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's errors:
     {"weight": ‖M − A‖/‖M‖, "output": the relative error of M x on inputs with `report_covariance`}.
+
+    `pairs` [n_kv, r] are the kept pairs of the per-head layout; `rotated` (instead) the rotation and kept
+    components of the shared layout (mla/conversion/rotation.py). `shared_latent` repeats the key and value
+    up-projections for every query head (mla/conversion/layout.py).
 
     `fit_covariance` (the layer's input second moment) makes the SVD activation-aware (mla.conversion.lowrank).
 
@@ -63,36 +103,48 @@ def convert_layer(attn, pairs: torch.Tensor, kv_lora_rank: int, svd: str, head_d
     (yarn), which the original applied to every dim through cos/sin and partial RoPE applies to the
     kept pairs only.
     """
-    n_kv = pairs.shape[0]
-    groups = attn.q_proj.weight.shape[0] // head_dim // n_kv
-    perm_q = partial_rope.head_permutation(pairs, head_dim).repeat_interleave(groups, dim=0)
-    rope_k = partial_rope.rope_dims(pairs, head_dim)
-    nope_k = partial_rope.nope_dims(pairs, head_dim)
-
-    out = {"q_proj.weight": _gather_rows(attn.q_proj.weight.data, perm_q, head_dim),
-           "k_rope_proj.weight": _gather_rows(attn.k_proj.weight.data, rope_k, head_dim),
-           "o_proj.weight": attn.o_proj.weight.data}
-    k_nope = _gather_rows(attn.k_proj.weight.data, nope_k, head_dim)
-    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, svd, covariance=fit_covariance)
+    n_h = attn.q_proj.weight.shape[0] // head_dim
+    n_kv = attn.k_proj.weight.shape[0] // head_dim
+    groups = n_h // n_kv
+    if rotated is not None:
+        out, k_nope, k_nope_bias = _rotated_rows(attn, rotated, head_dim)
+        out["o_proj.weight"] = attn.o_proj.weight.data
+        rope_dim, head_width = 2 * rotated.kept.shape[0], 2 * rotated.kept.shape[0] + head_dim
+        # W_k,nope has d_h rows per head but rank n_kv·d_h − 2m: "none" is the joint SVD at that full rank
+        method = "joint" if svd == "none" else svd
+    else:
+        perm_q = partial_rope.head_permutation(pairs, head_dim).repeat_interleave(groups, dim=0)
+        rope_k = partial_rope.rope_dims(pairs, head_dim)
+        nope_k = partial_rope.nope_dims(pairs, head_dim)
+        out = {"q_proj.weight": _gather_rows(attn.q_proj.weight.data, perm_q, head_dim),
+               "k_rope_proj.weight": _gather_rows(attn.k_proj.weight.data, rope_k, head_dim),
+               "o_proj.weight": attn.o_proj.weight.data}
+        k_nope = _gather_rows(attn.k_proj.weight.data, nope_k, head_dim)
+        if attn.q_proj.bias is not None:  # biases follow their rows; the latent has none
+            out["q_proj.bias"] = _gather_rows(attn.q_proj.bias.data, perm_q, head_dim)
+            out["k_rope_proj.bias"] = _gather_rows(attn.k_proj.bias.data, rope_k, head_dim)
+        k_nope_bias = None if attn.k_proj.bias is None else _gather_rows(attn.k_proj.bias.data, nope_k, head_dim)
+        rope_dim, head_width, method = 2 * pairs.shape[1], head_dim, svd
+    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, method, covariance=fit_covariance)
     errors = {"weight": factors.relative_error, "output": None}
     if report_covariance is not None:
         m = torch.cat([k_nope, attn.v_proj.weight.data]).float()
         errors["output"] = lowrank.relative_output_error(m, factors.approximation(), report_covariance.to(m.device))
     dtype = attn.q_proj.weight.dtype
-    out.update({"kv_down.weight": factors.down.to(dtype), "k_up.weight": factors.up_k.to(dtype),
-                "v_up.weight": factors.up_v.to(dtype)})
-    if attn.q_proj.bias is not None:  # biases follow their rows; the latent has none
-        out["q_proj.bias"] = _gather_rows(attn.q_proj.bias.data, perm_q, head_dim)
-        out["k_rope_proj.bias"] = _gather_rows(attn.k_proj.bias.data, rope_k, head_dim)
-        out["k_up.bias"] = _gather_rows(attn.k_proj.bias.data, nope_k, head_dim)
-        out["v_up.bias"] = attn.v_proj.bias.data
+    # a shared latent rebuilds a key and a value for every query head: its K/V head's rows, repeated
+    up_groups = groups if shared_latent else 1
+    out.update({"kv_down.weight": factors.down.to(dtype),
+                "k_up.weight": _repeat_heads(factors.up_k.to(dtype), n_kv, up_groups),
+                "v_up.weight": _repeat_heads(factors.up_v.to(dtype), n_kv, up_groups)})
+    if k_nope_bias is not None:
+        out["k_up.bias"] = _repeat_heads(k_nope_bias, n_kv, up_groups)
+        out["v_up.bias"] = _repeat_heads(attn.v_proj.bias.data, n_kv, up_groups)
     if attn.o_proj.bias is not None:
         out["o_proj.bias"] = attn.o_proj.bias.data
     if nope_query_scale != 1.0:
-        rope_dim = 2 * pairs.shape[1]
         for key in ("q_proj.weight", "q_proj.bias"):
             if key in out:
-                out[key] = _scale_nope_rows(out[key], rope_dim, head_dim, nope_query_scale)
+                out[key] = _scale_nope_rows(out[key], rope_dim, head_width, nope_query_scale)
     # SVD factors and gathered rows may be strided views; checkpoints need plain dense tensors
     return {k: v.contiguous() for k, v in out.items()}, errors
 
@@ -109,39 +161,11 @@ def full_rank_d_kv(config: dict, r: int | None) -> int:
 
 
 def resolve_options(config: dict, d_kv: int | None, r: int | None, strategy: str,
-                    svd: str) -> tuple[int, int]:
+                    svd: str) -> tuple[int | None, int]:
     """Validate the conversion options against a model config; returns (r, kv_lora_rank).
     With svd "none", d_kv must be None or the full rank (`full_rank_d_kv`)."""
-    shapes.check_family(config)
-    s = shapes.shape_of(config)
-    r = shapes.default_r(s.head_dim) if r is None else r
-    try:
-        partial_rope.check_r(r, s.head_dim)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if strategy not in partial_rope.STRATEGIES:
-        raise UserError(f"unknown --rope-strategy {strategy!r}; choose one of {', '.join(partial_rope.STRATEGIES)}")
-    if svd not in lowrank.METHODS:
-        raise UserError(f"unknown --svd {svd!r}; choose one of {', '.join(lowrank.METHODS)}")
-    if svd == "none":
-        full_d_kv = full_rank_d_kv(config, r)
-        if d_kv not in (None, full_d_kv):
-            raise UserError(f"--svd none keeps K/V at full rank, d_kv {full_d_kv} here; leave out --d-kv {d_kv}")
-        d_kv = full_d_kv
-    if d_kv is None:
-        raise UserError(f"--svd {svd} needs --d-kv (the latent size per KV head)")
-    if d_kv <= 0:
-        raise UserError(f"d_kv must be a positive integer, got {d_kv}")
-    rank = s.kv_heads * d_kv
-    rows_k, rows_v = s.kv_heads * (s.head_dim - 2 * r), s.kv_heads * s.head_dim
-    full = lowrank.max_rank(svd, rows_k, rows_v, s.hidden)
-    if rank > full:
-        raise UserError(f"d_kv={d_kv} is larger than full rank: n_kv·d_kv = {rank} but [W_k,nope; W_v] has rank "
-                        f"at most {full} here (n_kv={s.kv_heads}, d_h={s.head_dim}, r={r}, hidden={s.hidden}, "
-                        f"svd={svd}); the largest d_kv is {full // s.kv_heads}")
-    if svd == "split" and rank % 2:
-        raise UserError(f"--svd split needs an even n_kv·d_kv, got {rank}")
-    return r, rank
+    layout = layouts.resolve(config, strategy=strategy, svd=svd, d_kv=d_kv, r=r)
+    return layout.r, layout.kv_lora_rank
 
 
 def load_covariances(path: str | Path, config: dict) -> dict:
@@ -160,22 +184,51 @@ def load_covariances(path: str | Path, config: dict) -> dict:
     return data
 
 
-def load_scores(path: str | Path | None) -> torch.Tensor | None:
+def load_calibration(path: str | Path | None) -> dict | None:
+    """A scores file of `mla calibrate` as a dict ("scores", and for newer files the rotation's statistics)."""
     if path is None:
         return None
     p = Path(path)
     if not p.is_file():
         raise UserError(f"scores file {p} does not exist (run `mla calibrate` first)")
     data = torch.load(p, map_location="cpu", weights_only=True)
-    return data["scores"] if isinstance(data, dict) else data
+    return {**(data if isinstance(data, dict) else {"scores": data}), "path": str(p)}
+
+
+def load_scores(path: str | Path | None) -> torch.Tensor | None:
+    data = load_calibration(path)
+    return None if data is None else data["scores"]
+
+
+ROTATION_KEYS = ("pair_covariance", "query_pair_norms")
+
+
+def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rotation.RotatedLayer]:
+    """The rotation and kept components of every layer, from a scores file's statistics (load_calibration)."""
+    where = (calibration or {}).get("path", "the scores") if isinstance(calibration, dict) else "the scores"
+    if not isinstance(calibration, dict) or any(k not in calibration for k in ROTATION_KEYS):
+        raise UserError(f"--rope-strategy rotated needs the keys' pair covariances, which {where} lacks (written by "
+                        "an older `mla calibrate`, or not a scores file): run `mla calibrate` again")
+    cov, norms = calibration["pair_covariance"], calibration["query_pair_norms"]
+    half = layout.head_dim // 2
+    expected = {"pair_covariance": (layers, half, layout.kv_heads, layout.kv_heads),
+                "query_pair_norms": (layers, layout.heads, half)}
+    for key, shape in expected.items():
+        if tuple(calibration[key].shape) != shape:
+            raise UserError(f"{key} in {where} has shape {tuple(calibration[key].shape)} but this model needs "
+                            f"{list(shape)}: the scores file belongs to another model")
+    return rotation.rotate_layers(cov, norms, layout.rope_components)
 
 
 @torch.no_grad()
-def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
+def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
                   svd: str = DEFAULT_SVD, release_source: bool = False, covariances: dict | None = None,
-                  whiten: bool = False):
+                  whiten: bool = False, *, latent: str = DEFAULT_LATENT, kv_width: int | None = None,
+                  rope_share=None):
     """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
 
+    `scores`: the 2-norm scores [L, n_kv, d_h/2], or a scores file's dict / path (load_calibration), which
+    the rotated strategy needs. `latent`, `kv_width` and `rope_share`: mla/conversion/layout.py.
     With `release_source`, each source layer's attention is dropped once converted (streaming).
     `covariances` (load_covariances) adds each layer's output error to the report (on its held-out part
     when it has one); with `whiten` the SVD is fitted to the calibration part (activation-aware).
@@ -186,22 +239,32 @@ def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str =
 
     src_cfg = model.config
     cfg_dict = src_cfg.to_dict()
-    r, rank = resolve_options(cfg_dict, d_kv, r, strategy, svd)
-    d_kv = rank // shapes.shape_of(cfg_dict).kv_heads        # svd none: the full rank
+    layout = layouts.resolve(cfg_dict, strategy=strategy, svd=svd, d_kv=d_kv, r=r, kv_width=kv_width,
+                             rope_share=rope_share, latent=latent)
+    rank = layout.kv_lora_rank
     if whiten and svd == "none":
         raise UserError("activation-aware SVD (--whiten) needs --svd joint or split; none keeps the full rank")
     if whiten and covariances is None:
         raise UserError("activation-aware SVD (whiten) needs input covariances from `mla calibrate --covariance-out`")
     s = shapes.shape_of(cfg_dict)
-    if isinstance(scores, (str, Path)):
-        scores = load_scores(scores)
-    try:
-        pairs = partial_rope.select_pairs(strategy, r, s.layers, s.kv_heads, s.head_dim, scores)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    provenance = {"d_kv": d_kv, "r": r, "rope_strategy": strategy, "svd": svd, "whitened": whiten,
+    calibration = load_calibration(scores) if isinstance(scores, (str, Path)) else scores
+    rotated = None
+    if layout.shared_rope:
+        rotated = rotated_layers(calibration, layout, s.layers)
+        pairs = [[layer.pairs] for layer in rotated]
+    else:
+        if isinstance(calibration, dict):
+            calibration = calibration.get("scores")
+        try:
+            pair_tensor = partial_rope.select_pairs(strategy, layout.r, s.layers, s.kv_heads, s.head_dim, calibration)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        pairs = pair_tensor.tolist()
+    provenance = {"d_kv": layout.d_kv, "r": layout.r, "rope_strategy": strategy, "svd": svd, "whitened": whiten,
                   "source": getattr(src_cfg, "_name_or_path", "") or ""}
-    config = _mla_config(src_cfg, rank, pairs, svd == "split", provenance)
+    if layout.shared_rope or layout.latent != DEFAULT_LATENT or layout.budget != "d_kv":
+        provenance.update(layout.describe(), kv_width=layout.kv_width)
+    config = _mla_config(src_cfg, rank, pairs, svd == "split", provenance, layout.rope_layout, layout.latent)
     dtype = next(model.parameters()).dtype
     config.dtype = dtype
 
@@ -223,9 +286,10 @@ def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str =
             report_cov = covariances["covariance"]
     for i, layer in enumerate(model.model.layers):
         weights, err = convert_layer(
-            layer.self_attn, pairs[i], rank, svd, s.head_dim, nope_query_scale,
+            layer.self_attn, None if rotated else pair_tensor[i], rank, svd, s.head_dim, nope_query_scale,
             fit_covariance=covariances["covariance"][i] if whiten else None,
-            report_covariance=None if report_cov is None else report_cov[i])
+            report_covariance=None if report_cov is None else report_cov[i],
+            rotated=rotated[i] if rotated else None, shared_latent=layout.latent == "shared")
         errors.append(err["weight"])
         output_errors.append(err["output"])
         new_state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
@@ -242,13 +306,15 @@ def convert_model(model, d_kv: int | None, r: int | None = None, strategy: str =
         raise RuntimeError(f"conversion left uninitialised tensors: {leftovers}")
     mla_model.eval()
 
-    plan = shapes.plan(cfg_dict, d_kv, r, split=svd == "split")
+    plan = shapes.plan_layout(cfg_dict, layout)
     report = {**plan, "rope_strategy": strategy, "svd": svd,
               "params_before_counted": count_parameters(model) if not release_source else None,
               "params_after_counted": count_parameters(mla_model),
               "reconstruction_error_per_layer": errors,
               "reconstruction_error_mean": sum(errors) / len(errors),
               "whitened": whiten}
+    if rotated is not None:   # per layer, the kept (frequency pair, rotated component) of the shared RoPE key
+        report["rotated_components_per_layer"] = [layer.kept.tolist() for layer in rotated]
     if covariances is not None:
         report.update(output_error_per_layer=output_errors,
                       output_error_mean=sum(output_errors) / len(output_errors),
@@ -272,7 +338,8 @@ def count_parameters(model) -> int:
 
 def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY,
                        scores_path: str | Path | None = None, svd: str = DEFAULT_SVD,
-                       whiten_path: str | Path | None = None, covariance_path: str | Path | None = None) -> dict:
+                       whiten_path: str | Path | None = None, covariance_path: str | Path | None = None, *,
+                       latent: str = DEFAULT_LATENT, kv_width: int | None = None, rope_share=None) -> dict:
     """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`.
 
     `whiten_path`: covariances to fit the SVD to (activation-aware); `covariance_path`: covariances used
@@ -282,19 +349,22 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
 
     src, out = checkpoint.require_checkpoint(src), Path(out)
     config = shapes.read_config(src)
-    resolve_options(config, d_kv, r, strategy, svd)          # fail before loading any weights
-    if strategy == "2-norm" and scores_path is None:
-        raise UserError("--rope-strategy 2-norm needs --scores (from `mla calibrate`)")
+    budget = dict(latent=latent, kv_width=kv_width, rope_share=rope_share)
+    layout = layouts.resolve(config, strategy=strategy, svd=svd, d_kv=d_kv, r=r, **budget)   # before any loading
+    if strategy in CALIBRATED_ROPE_STRATEGIES and scores_path is None:
+        raise UserError(f"--rope-strategy {strategy} needs --scores (from `mla calibrate`)")
     if whiten_path is not None and svd == "none":
         raise UserError("activation-aware SVD (--whiten) needs --svd joint or split; none keeps the full rank")
     if whiten_path is not None and covariance_path is not None:
         raise UserError("give --whiten FILE (fit and report) or --covariance FILE (report only), not both")
-    scores = load_scores(scores_path)
+    scores = load_calibration(scores_path)
+    if layout.shared_rope:     # refuse an old or foreign scores file before loading the weights
+        rotated_layers(scores, layout, shapes.shape_of(config).layers)
     cov_path = whiten_path or covariance_path
     covariances = None if cov_path is None else load_covariances(cov_path, config)
     model = checkpoint.load_model(src)
     mla_model, report = convert_model(model, d_kv, r, strategy, scores, svd, release_source=True,
-                                      covariances=covariances, whiten=whiten_path is not None)
+                                      covariances=covariances, whiten=whiten_path is not None, **budget)
     report["source_checkpoint"] = str(src)
     report["covariance_file"] = str(cov_path) if cov_path else None
     report["scores_file"] = str(scores_path) if scores_path else None
@@ -308,7 +378,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
 
 
 def main_report_line(report: dict) -> str:
-    return (f"d_kv={report['d_kv']} r={report['r']} params {report['params_before'] / 1e6:.2f}M -> "
+    layout = (f"{report['rope_layout']} RoPE {report['rope_dims_per_layer']} + latent {report['latent_per_layer']}"
+              f" ({report['latent']} latent) per layer, " if report.get("rope_layout") else "")
+    return (f"{layout}d_kv={report['d_kv']} r={report['r']} params {report['params_before'] / 1e6:.2f}M -> "
             f"{report['params_after'] / 1e6:.2f}M, KV/token {report['kv_elements_per_token_before']} -> "
             f"{report['kv_elements_per_token_after']} ({report['kv_reduction_percent']:.2f}% less), "
             f"mean SVD error {report['reconstruction_error_mean']:.4f}"

@@ -162,6 +162,38 @@ def params_mla(s: Shape, d_kv: int, r: int, split: bool = False) -> int:
     return _common_params(s) + s.layers * kv
 
 
+def params_layout(s: Shape, layout) -> int:
+    """Parameters after a conversion of any layout (mla/conversion/layout.py): the query grows by the rotated
+    RoPE rows (shared layout: n_h·(2m + d_h) rows), a shared latent's k_up / v_up rebuild n_h heads."""
+    ab = int(s.qkv_bias)
+    rope_q, nope, up_heads = layout.rope_head_dim, layout.nope_head_dim, layout.up_heads
+    q_extra = s.heads * (rope_q + nope - s.head_dim) * (s.hidden + ab)
+    rope_k = layout.rope_heads * layout.rope_head_dim
+    latent = layout.kv_lora_rank
+    up_in = latent // 2 if layout.svd == "split" else latent
+    kv = (s.hidden * rope_k + ab * rope_k                                  # k_rope_proj
+          + s.hidden * latent                                              # kv_down (no bias)
+          + up_in * up_heads * nope + ab * up_heads * nope                 # k_up
+          + up_in * up_heads * s.head_dim + ab * up_heads * s.head_dim)    # v_up
+    return _common_params(s) + s.layers * (kv + q_extra)
+
+
+def plan_layout(config: dict, layout) -> dict:
+    """`plan` for any layout: the same keys (d_kv may be fractional, r None for a shared RoPE key that is not
+    n_kv·r components), and the split of the cache between RoPE dims and latent per layer."""
+    s = shape_of(config)
+    before, after = params_original(s), params_layout(s, layout)
+    kv_before, kv_after = kv_elements_original(s), s.layers * layout.kv_width
+    return {
+        "model_type": config.get("model_type"), "layers": s.layers, "heads": s.heads, "kv_heads": s.kv_heads,
+        "head_dim": s.head_dim, "d_kv": layout.d_kv, "r": layout.r, "kv_lora_rank": layout.kv_lora_rank,
+        "params_before": before, "params_after": after,
+        "kv_elements_per_token_before": kv_before, "kv_elements_per_token_after": kv_after,
+        "kv_ratio": kv_after / kv_before, "kv_reduction_percent": round(100 * (1 - kv_after / kv_before), 4),
+        **layout.describe(),
+    }
+
+
 def default_r(head_dim: int) -> int:
     """The paper's default r = d_h / 16 (4 for SmolLM, 8 for Llama-2-7B)."""
     return max(1, head_dim // 16)

@@ -74,7 +74,7 @@ def original_twin(mla_model, device=None):
 
     cfg = mla_model.config.to_dict()
     for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_pairs",
-                "latent_split", "absorb_decode", "mha2mla", "auto_map", "architectures", "model_type",
+                "latent_split", "absorb_decode", "rope_layout", "latent_layout", "mha2mla", "auto_map", "architectures", "model_type",
                 "transformers_version", "dtype", "torch_dtype"):
         cfg.pop(key, None)
     config = LlamaConfig(**cfg)

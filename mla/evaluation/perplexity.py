@@ -47,16 +47,10 @@ def evenly_spaced(total: int, n: int) -> np.ndarray:
     return np.unique(np.linspace(0, total - 1, n).round().astype(np.int64)) if n < total else np.arange(total)
 
 
-def perplexity(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int | None = None,
-               max_length: int | None = None) -> dict:
-    """Mean cross-entropy (nats/token) of each block's tokens 1.. given the previous ones, exp of it, and
-    their standard errors across blocks (see the module docstring).
-
-    Every block is scored independently (no cache carried over). `max_length` truncates blocks;
-    `max_blocks` takes that many blocks evenly spaced over the split (`mla data` writes the sources
-    interleaved in their shares, so a spread sample keeps the mixture; the first blocks need not).
-    The model runs on its own device; the loss is computed in fp32.
-    """
+def per_block_losses(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int | None = None,
+                     max_length: int | None = None) -> tuple[list[float], int]:
+    """Each scored block's mean next-token loss (the same blocks, in the same order, as `perplexity` scores:
+    paired comparisons of two models take differences of these), and the number of tokens scored."""
     import torch
 
     n = blocks.shape[0] if max_blocks is None else min(max_blocks, blocks.shape[0])
@@ -81,6 +75,21 @@ def perplexity(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int |
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             block_losses += nll.double().mean(dim=1).tolist()
             total_tokens += ids[:, 1:].numel()
+    return block_losses, total_tokens
+
+
+def perplexity(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int | None = None,
+               max_length: int | None = None) -> dict:
+    """Mean cross-entropy (nats/token) of each block's tokens 1.. given the previous ones, exp of it, and
+    their standard errors across blocks (see the module docstring).
+
+    Every block is scored independently (no cache carried over). `max_length` truncates blocks;
+    `max_blocks` takes that many blocks evenly spaced over the split (`mla data` writes the sources
+    interleaved in their shares, so a spread sample keeps the mixture; the first blocks need not).
+    The model runs on its own device; the loss is computed in fp32.
+    """
+    block_losses, total_tokens = per_block_losses(model, blocks, batch_size, max_blocks, max_length)
+    n = len(block_losses)
     mean, se = mean_and_stderr(block_losses)
     ppl = math.exp(mean)
     return {"blocks": int(n), "tokens": int(total_tokens), "mean_loss": mean, "mean_loss_stderr": se,

@@ -1,7 +1,7 @@
 """KV-cache accounting: bytes measured from cache objects, elements and bytes predicted from configs.
 
 Full precision: 2·n_kv·d_h elements per token and layer (Llama), n_kv·(d_kv + 2r) (MLA: the latent and
-the RoPE'd keys). Quantized to b bits with a scale and a zero point per group of g channels of a token
+the RoPE'd keys), kv_lora_rank + 2m for the shared RoPE layout (mla/conversion/layout.py). Quantized to b bits with a scale and a zero point per group of g channels of a token
 (mla/modeling/cache_mla.py): C·b/8 + 2·(C/g)·s bytes for each cached row of C channels, s the bytes of
 a scale; the newest `residual` tokens stay in full precision.
 """
@@ -42,7 +42,8 @@ def cached_rows(config) -> list[int]:
     cfg = config if isinstance(config, dict) else config.to_dict()
     s = shapes.shape_of(cfg)
     if cfg.get("model_type") == "mla_llama":
-        return [cfg["kv_lora_rank"], s.kv_heads * cfg["qk_rope_head_dim"]]
+        rope_heads = 1 if cfg.get("rope_layout", "per_head") == "shared" else s.kv_heads
+        return [cfg["kv_lora_rank"], rope_heads * cfg["qk_rope_head_dim"]]
     return [s.kv_heads * s.head_dim] * 2
 
 
@@ -81,6 +82,7 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
     """(config key, message) for each variant whose cached rows `evaluate.kv_group_size` does not divide,
     found at parse time rather than in an evaluation job after its training (arithmetic only: the same
     rule as mla/modeling/cache_mla.check_quantization, without importing torch)."""
+    from mla.conversion.layout import resolve
     from mla.study import experiments
     from mla.training.memory import model_config
 
@@ -88,26 +90,29 @@ def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, s
     bits = [b for b in e["kv_bits"] if b != FULL_PRECISION_BITS]
     if not bits:
         return []
-    errors, seen = [], set()
+    errors, seen, configs = [], set(), {}
     for v in experiments.all_variants(config):
-        if (v.model, v.d_kv, v.r, v.is_baseline) in seen:
-            continue
-        seen.add((v.model, v.d_kv, v.r, v.is_baseline))
-        cfg = model_config(config, v.model, results)
+        if v.model not in configs:
+            configs[v.model] = model_config(config, v.model, results)
+        cfg = configs[v.model]
         if cfg is None:           # shape unknown before download: the evaluation job checks it
             continue
         s = shapes.shape_of(cfg)
-        key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
         group = group_size_for(e, v.model)
+        key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
         if (s.kv_heads * s.head_dim) % group:   # the original's and baseline's cache: quanto's groups of a token
             errors.append((key, f"{group} does not divide the {s.kv_heads * s.head_dim} key channels per token "
                                 f"(n_kv·d_h) of {v.model}, which its original and baseline caches quantize"))
         if v.is_baseline:
             continue
-        r = shapes.default_r(s.head_dim) if v.r is None else v.r
-        # svd none keeps the joint factorisation at full rank: min(n_kv·(2d_h − 2r), hidden) latent channels
-        latent = (min(s.kv_heads * (2 * s.head_dim - 2 * r), s.hidden) if v.d_kv is None else s.kv_heads * v.d_kv)
-        for name, channels in (("latent", latent), ("RoPE key", s.kv_heads * 2 * r)):
+        try:
+            layout = resolve(cfg, **v.budget())
+        except ValueError:        # a budget the model cannot hold: mla.study.layout_check names it
+            continue
+        if (v.model, layout.kv_lora_rank, layout.rope_dims) in seen:
+            continue
+        seen.add((v.model, layout.kv_lora_rank, layout.rope_dims))
+        for name, channels in (("latent", layout.kv_lora_rank), ("RoPE key", layout.rope_dims)):
             if channels and channels % group:
                 errors.append((key, f"{group} does not divide the {channels} channels of the {name} of "
                                     f"{v.experiment}/{v.name} ({v.model})"))

@@ -5,7 +5,7 @@ transformers.
 
 Per layer the cache holds exactly two tensors, each with the token axis second to last:
     latent  c_kv    [B, T, n_kv·d_kv]
-    k_rope          [B, n_kv, T, 2r]   (RoPE already applied)
+    k_rope          [B, n_kv, T, 2r]   (RoPE already applied; [B, 1, T, 2m] for the shared RoPE layout)
 
 `MLAQuantizedLayer` stores every token older than the newest `residual_length` as `nbits` unsigned
 integers per channel, asymmetric, one scale and one zero point per group of `group_size` channels of one
@@ -33,7 +33,13 @@ SUPPORTED_BITS = (2, 4, 8)
 
 def cached_widths(latent: int, rope: int) -> dict[str, int]:
     """The two rows one layer caches per token, by the names error messages give them."""
-    return {"the latent (n_kv·d_kv)": latent, "the RoPE key (n_kv·2r)": rope}
+    return {"the latent (n_kv·d_kv)": latent, "the RoPE key (n_kv·2r, or 2m shared)": rope}
+
+
+def rope_key_channels(config) -> int:
+    """Channels of one token's cached RoPE key: every RoPE head's 2r (n_kv heads, or 1 in the shared layout)."""
+    heads = 1 if getattr(config, "rope_layout", "per_head") == "shared" else config.num_key_value_heads
+    return heads * config.qk_rope_head_dim
 
 
 def check_quantization(nbits: int, group_size: int, channels: dict[str, int]) -> None:
@@ -253,8 +259,7 @@ class MLAQuantizedCache(MLACache):
 
     def __init__(self, config, nbits: int = 4, group_size: int = 64, residual_length: int = 128):
         if config is not None:   # refuse a group size that does not divide the channels before any forward pass
-            check_quantization(nbits, group_size, cached_widths(
-                config.kv_lora_rank, config.num_key_value_heads * config.qk_rope_head_dim))
+            check_quantization(nbits, group_size, cached_widths(config.kv_lora_rank, rope_key_channels(config)))
         self.nbits, self.group_size, self.residual_length = nbits, group_size, residual_length
         layers = [MLAQuantizedLayer(nbits, group_size, residual_length) for _ in range(config.num_hidden_layers)]
         Cache.__init__(self, layers=layers)
@@ -275,4 +280,4 @@ class MLAQuantizedCache(MLACache):
 
 
 __all__ = ["MLACache", "MLAQuantizedCache", "MLALatentLayer", "MLAQuantizedLayer", "QuantizedRows",
-           "cached_widths", "check_quantization", "quantized_bytes_per_token", "SUPPORTED_BITS"]
+           "cached_widths", "rope_key_channels", "check_quantization", "quantized_bytes_per_token", "SUPPORTED_BITS"]

@@ -13,6 +13,10 @@ Per layer and token x (after the input RMSNorm), with G = n_h / n_kv query heads
     v      = v_up(c_kv)                  [n_kv, d_h]
     attention(q, [k_rope | k_nope], v) with scale 1/√d_h, then o_proj.
 
+With `rope_layout: shared` (rotated partial RoPE, configuration_mla.py) k_rope is ONE head [2m] that every
+query head reads, q is per head [rope (2m) | nope (d_h)] and k_nope is d_h wide; the scale stays 1/√d_h.
+With `latent_layout: shared` k_up / v_up rebuild n_h keys and values (one per query head, no GQA groups).
+
 RoPE uses the original frequencies of the kept pairs only (partial RoPE), including any scaling of
 the source model (llama3, linear, dynamic, yarn: the rotary embedding is built from the same
 `rope_parameters`); the other dims get none. Where the scaling also multiplies cos/sin by an attention
@@ -62,12 +66,15 @@ class MLAAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # heads of the rebuilt keys/values (n_kv, or n_h for a shared latent) and of the cached RoPE key
+        self.num_kv_heads = config.num_latent_heads
+        self.num_rope_heads = config.num_rope_heads
         self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.rope_groups = self.num_heads // self.num_rope_heads
         self.rope_dim = config.qk_rope_head_dim
         self.nope_dim = config.qk_nope_head_dim
         self.latent_dim = config.kv_lora_rank
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim ** -0.5       # the source's: not the (wider) query's width
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         # latent widths read by the key and value up-projections (halves of c_kv with SVD split)
@@ -75,8 +82,8 @@ class MLAAttention(nn.Module):
         self.v_latent = self.k_latent
 
         d, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
-        self.k_rope_proj = nn.Linear(d, self.num_kv_heads * self.rope_dim, bias=bias)
+        self.q_proj = nn.Linear(d, self.num_heads * (self.rope_dim + self.nope_dim), bias=bias)
+        self.k_rope_proj = nn.Linear(d, self.num_rope_heads * self.rope_dim, bias=bias)
         self.kv_down = nn.Linear(d, self.latent_dim, bias=False)
         self.k_up = nn.Linear(self.k_latent, self.num_kv_heads * self.nope_dim, bias=bias)
         self.v_up = nn.Linear(self.v_latent, self.num_kv_heads * self.head_dim, bias=bias)
@@ -99,7 +106,7 @@ class MLAAttention(nn.Module):
         index = self._rope_index.get(device)
         if index is None:
             index = self._rope_index[device] = torch.tensor(self._rope_dims, dtype=torch.long, device=device)
-        # [B, T, d_h] -> [B, n_kv, T, 2r]
+        # [B, T, d_h] -> [B, rope heads, T, 2r]
         cos = cos[..., index].permute(0, 2, 1, 3)
         sin = sin[..., index].permute(0, 2, 1, 3)
         return cos, sin
@@ -107,11 +114,11 @@ class MLAAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs):
         bsz, q_len, _ = hidden_states.shape
-        groups = self.num_key_value_groups
+        groups = self.rope_groups
 
-        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, -1).transpose(1, 2)
         q_rope, q_nope = q.split([self.rope_dim, self.nope_dim], dim=-1)
-        k_rope = self.k_rope_proj(hidden_states).view(bsz, q_len, self.num_kv_heads, self.rope_dim).transpose(1, 2)
+        k_rope = self.k_rope_proj(hidden_states).view(bsz, q_len, self.num_rope_heads, self.rope_dim).transpose(1, 2)
         c_kv = self.kv_down(hidden_states)                 # [B, T, latent]
 
         if self.rope_dim:
@@ -129,6 +136,8 @@ class MLAAttention(nn.Module):
         kv_len = c_kv.shape[1]
         k_nope = self.k_up(c_k).view(bsz, kv_len, self.num_kv_heads, self.nope_dim).transpose(1, 2)
         value = self.v_up(c_v).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.num_rope_heads != self.num_kv_heads:      # a shared RoPE key, or a shared latent's n_h heads
+            k_rope = k_rope.repeat_interleave(self.num_kv_heads // self.num_rope_heads, dim=1)
         key = torch.cat([k_rope, k_nope], dim=-1)
         query = torch.cat([q_rope, q_nope], dim=-1)
 
@@ -142,7 +151,7 @@ class MLAAttention(nn.Module):
     def _absorbed(self, q_rope, q_nope, k_rope, c_kv, attention_mask) -> torch.Tensor:
         """One decode step in latent space; the cache is never expanded to per-head keys or values."""
         bsz = q_rope.shape[0]
-        n_kv, groups = self.num_kv_heads, self.num_key_value_groups
+        n_kv, groups = self.num_kv_heads, self.num_key_value_groups      # heads of k_up / v_up
         c_k, c_v = self._split_latent(c_kv)               # [B, T, latent_k], [B, T, latent_v]
         w_uk = self.k_up.weight.view(n_kv, self.nope_dim, self.k_latent)
         w_uv = self.v_up.weight.view(n_kv, self.head_dim, self.v_latent)
@@ -151,8 +160,9 @@ class MLAAttention(nn.Module):
         # row, which softmax ignores, so it is left out
         q_lat = torch.einsum("bgjd,gdr->bgjr", q_nope.reshape(bsz, n_kv, groups, self.nope_dim), w_uk)
         scores = torch.matmul(q_lat.reshape(bsz, self.num_heads, self.k_latent), c_k.transpose(1, 2))
-        if self.rope_dim:
-            rope_scores = torch.matmul(q_rope.reshape(bsz, n_kv, groups, self.rope_dim), k_rope.transpose(2, 3))
+        if self.rope_dim:   # each RoPE key head (n_kv, or 1 shared) against the query heads that read it
+            rope_scores = torch.matmul(q_rope.reshape(bsz, self.num_rope_heads, self.rope_groups, self.rope_dim),
+                                       k_rope.transpose(2, 3))
             scores = scores + rope_scores.reshape(bsz, self.num_heads, -1)
         scores = _masked(scores * self.scaling, attention_mask)   # [B, n_h, T]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)

@@ -27,10 +27,12 @@ def load_schema() -> dict:
     MLflow experiment, mla.study.tracking for the store, EvalOptions for the evaluation's)."""
     from mla.evaluation.report import EvalOptions
     from mla.study.options import (
+        DEFAULT_LATENT,
         DEFAULT_ROPE_STRATEGY,
         DEFAULT_SVD,
         DEFAULT_VALIDATION_FRACTION,
         DEFAULT_VALIDATION_TOKENS,
+        LATENT_LAYOUTS,
         MODEL_SOURCES,
         ROPE_STRATEGIES,
         SVD_METHODS,
@@ -42,7 +44,7 @@ def load_schema() -> dict:
     props = schema["properties"]
     experiment = props["experiments"]["additionalProperties"]["properties"]
     for key, enum, default in (("rope_strategy", ROPE_STRATEGIES, DEFAULT_ROPE_STRATEGY),
-                               ("svd", SVD_METHODS, DEFAULT_SVD)):
+                               ("svd", SVD_METHODS, DEFAULT_SVD), ("latent", LATENT_LAYOUTS, DEFAULT_LATENT)):
         schema["$defs"]["variant_settings"][key]["enum"] = list(enum)
         experiment[key].update(enum=list(enum), default=default)
     props["models"]["additionalProperties"]["properties"]["source"]["enum"] = list(MODEL_SOURCES)
@@ -94,10 +96,11 @@ def config_problems(cfg: dict) -> list[tuple[str, str]]:
 
 def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
-    data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
+    cache budgets, data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
     from mla.kv.accounting import workflow_errors as kv_group_errors
     from mla.study import experiments
     from mla.study.budgets import budget_errors
+    from mla.study.layout_check import layout_errors
     from mla.training.config import workflow_train_error
     from mla.training.memory import memory_errors
 
@@ -127,7 +130,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
         message = workflow_train_error(v.train)
         if message:
             errors.append((where, message))
-    for check in (budget_errors, memory_errors, kv_group_errors):
+    for check in (layout_errors, budget_errors, memory_errors, kv_group_errors):
         if not errors:
             errors += check(cfg)
     return list(dict.fromkeys(errors))  # one message per key

@@ -2,14 +2,16 @@
 
 An *experiment* (one panel of the loss figure, one table) lists *variants*. The short form
 `d_kv: [8, 16, 32]` gives one variant `dkv<N>` each with the experiment's settings; `variants:` names
-any others with their own settings (d_kv, r, rope_strategy, svd, whiten, steps, lr, label, paper);
+any others with their own settings (d_kv, r, rope_strategy, svd, whiten, latent, kv_width, rope_share, steps,
+lr, label, paper; kv_width + rope_share give the cache budget instead of d_kv + r, mla/conversion/layout.py);
 `overrides:` changes settings of named variants of either kind; `baseline: true` adds the unconverted
 model fine-tuned with the same recipe.
 
 Jobs are keyed by what they compute, never by names, so work shared between variants and
 experiments runs once:
 
-  conversion  results/convert/<model>/<strategy>-r<r>-<svd>[-white][-dkv<N>]
+  conversion  results/convert/<model>/<strategy>-r<r>-<svd>[-white][-dkv<N>][-shared-latent], or
+              results/convert/<model>/<strategy>-kv<W>-rope<S·W>-<svd>[-white][-shared-latent] for a width budget
               (model + partial-RoPE + SVD settings; the calibration and data are per model)
   fine-tune   results/finetune/<model>/<start>/<recipe>, start = a conversion or `baseline`,
               recipe = `t` + 8 hex of the training recipe (launch settings such as nproc left out)
@@ -26,13 +28,16 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from mla.study.options import DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+from fractions import Fraction
+
+from mla.study.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).
 LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
                "save_steps", "device", "gpu_memory_gb")
-VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "svd", "whiten", "steps", "lr", "label", "paper")
+VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "svd", "whiten", "latent", "kv_width", "rope_share", "steps", "lr",
+                "label", "paper")
 RUN_SETTINGS = ("steps", "lr")              # per-variant changes to the training recipe
 
 
@@ -52,6 +57,9 @@ class Variant:
     whiten: bool
     train: dict = field(hash=False, compare=False)
     paper: str | None = None                 # a row of the paper's tables to show beside this variant
+    latent: str = DEFAULT_LATENT             # per_head | shared (mla/conversion/layout.py)
+    kv_width: int | None = None              # a budget by cache width instead of d_kv and r ...
+    rope_share: str | float | None = None    # ... with this fraction of it given to RoPE dims
 
     @property
     def is_baseline(self) -> bool:
@@ -62,9 +70,18 @@ class Variant:
         """Folder name of the conversion this variant starts from (None: the baseline)."""
         if self.is_baseline:
             return None
+        latent = "" if self.latent == DEFAULT_LATENT else f"-{self.latent}-latent"
+        white = "-white" if self.whiten else ""
+        if self.kv_width is not None:
+            return f"{self.rope_strategy}-kv{self.kv_width}-rope{_rope_dims_text(self)}-{self.svd}{white}{latent}"
         r = "auto" if self.r is None else self.r
-        name = f"{self.rope_strategy}-r{r}-{self.svd}" + ("-white" if self.whiten else "")
-        return name if self.d_kv is None else f"{name}-dkv{self.d_kv}"
+        name = f"{self.rope_strategy}-r{r}-{self.svd}{white}"
+        return (name if self.d_kv is None else f"{name}-dkv{self.d_kv}") + latent
+
+    def budget(self) -> dict:
+        """The conversion options that size the cache, as mla.conversion.layout.resolve takes them."""
+        return {"strategy": self.rope_strategy, "svd": self.svd, "d_kv": self.d_kv, "r": self.r,
+                "kv_width": self.kv_width, "rope_share": self.rope_share, "latent": self.latent}
 
     @property
     def start(self) -> str:
@@ -90,6 +107,15 @@ class Variant:
     @property
     def eval_path(self) -> str:
         return f"results/evaluate/{self.model}/{self.start}/{self.recipe}/eval.json"
+
+
+def _rope_dims_text(v: Variant) -> str:
+    """S·W of a width budget for folder names: whole when valid (the config check refuses the rest)."""
+    try:
+        dims = Fraction(str(v.rope_share)) * v.kv_width
+        return str(dims.numerator) if dims.denominator == 1 else f"{float(dims):g}"
+    except (ValueError, ZeroDivisionError):
+        return str(v.rope_share)
 
 
 # ---------------------------------------------------------------- paths and keys
@@ -163,7 +189,9 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
     kind = exp.get("kind", "GQA").upper()
     out = []
     for name, own in declared_settings(exp).items():
-        s = {k: exp.get(k) for k in ("r", "rope_strategy", "svd", "whiten")}
+        s = {k: exp.get(k) for k in ("r", "rope_strategy", "svd", "whiten", "latent")}
+        if own.get("kv_width") is not None:   # a width budget decides r: the experiment's r is not for it
+            s["r"] = None
         s.update({k: v for k, v in own.items() if k in VARIANT_KEYS})
         svd = s["svd"] or DEFAULT_SVD
         out.append(Variant(
@@ -172,7 +200,9 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
             d_kv=None if svd == "none" or s.get("d_kv") is None else int(s["d_kv"]),
             r=s["r"], rope_strategy=s["rope_strategy"] or DEFAULT_ROPE_STRATEGY, svd=svd,
             whiten=bool(s["whiten"]) and svd != "none",     # an experiment's whitening skips full-rank variants
-            train=train_settings(config, experiment, own), paper=own.get("paper")))
+            train=train_settings(config, experiment, own), paper=own.get("paper"),
+            latent=s["latent"] or DEFAULT_LATENT, rope_share=s.get("rope_share"),
+            kv_width=None if s.get("kv_width") is None else int(s["kv_width"])))   # YAML may give 72.0
     if exp.get("baseline", True):
         own = (exp.get("overrides") or {}).get("baseline", {})
         out.append(Variant(experiment=experiment, name="baseline", label=own.get("label", kind), model=exp["model"],
@@ -209,14 +239,31 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
             whiten = own.get("whiten", False)          # only asked of this variant itself
             if svd == "none" and own.get("d_kv") is not None and name in named:
                 errors.append((f"{key}.d_kv", "svd: none keeps K/V at full rank; d_kv follows from the model"))
-            if svd != "none" and own.get("d_kv") is None:
-                errors.append((f"{key}.d_kv", f"svd: {svd} needs a latent size d_kv"))
+            conflict = _budget_conflict(own, svd)
+            if conflict is not None:
+                errors.append((f"{key}.{conflict[0]}", conflict[1]))
+            elif svd != "none" and own.get("d_kv") is None and own.get("kv_width") is None:
+                errors.append((f"{key}.d_kv", f"svd: {svd} needs a latent size d_kv (or kv_width and rope_share)"))
             if svd == "none" and whiten:
                 errors.append((f"{key}.whiten", "activation-aware SVD needs svd: joint or split"))
         labels = [v.label for v in experiment_variants(config, ename)] if not errors else []
         for label in {x for x in labels if labels.count(x) > 1}:
             errors.append((where, f"two variants share the legend label '{label}': give each its own `label`"))
     return errors
+
+
+def _budget_conflict(own: dict, svd: str) -> tuple[str, str] | None:
+    """(key, message) when a variant mixes the two ways of giving its cache budget (shape-free; the rest of
+    the budget is checked against the model's shape by mla.study.layout_check)."""
+    from mla.conversion.layout import conflicting_budget
+
+    error = conflicting_budget(own.get("d_kv"), own.get("r"), own.get("kv_width"), own.get("rope_share"))
+    if error is not None:
+        return error.option, str(error)
+    if svd == "none" and own.get("kv_width") is not None:
+        return "kv_width", (f"kv_width={own['kv_width']} sets the latent's width, but svd none keeps K/V at full "
+                            "rank; give r (and no kv_width) with svd none")
+    return None
 
 
 # ---------------------------------------------------------------- the jobs

@@ -2,8 +2,14 @@
 here (torch-free, so the Snakefile and `mla --help` import it cheaply). The schema's lists are filled from
 these by mla.study.config_schema; the recipe's defaults live in mla.training.config.TrainConfig."""
 
-ROPE_STRATEGIES = ("high", "low", "uniform", "2-norm")
+ROPE_STRATEGIES = ("high", "low", "uniform", "2-norm", "rotated")
 DEFAULT_ROPE_STRATEGY = "2-norm"       # the paper's S_2-norm (needs `mla calibrate` scores)
+# rotated: RoPE kept on the best components of each frequency pair rotated across the K/V heads, as ONE
+# RoPE key shared by all query heads (mla/conversion/rotation.py); the others keep it per KV head
+SHARED_ROPE_STRATEGIES = ("rotated",)
+CALIBRATED_ROPE_STRATEGIES = ("2-norm", "rotated")   # read the scores file of `mla calibrate`
+LATENT_LAYOUTS = ("per_head", "shared")   # shared: k_up/v_up rebuild a key and value for every query head
+DEFAULT_LATENT = "per_head"               # the paper's: one key and value per KV head
 SVD_METHODS = ("joint", "split", "none")   # none: partial RoPE only, K/V kept at full rank
 DEFAULT_SVD = "joint"                      # the paper's SVD_joint
 MODEL_SOURCES = ("smollm2-wheel", "hub", "local", "mha-from-gqa", "tiny-random")

@@ -361,6 +361,15 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
         if v.is_baseline:
             plans[v.name] = plan_training(cfg_model, **common)
             continue
+        if v.kv_width is not None or v.rope_strategy == "rotated":
+            # planned as the per-head layout of the same cache width, rounded up: the shared RoPE key's wider
+            # query (n_h·2m more rows) and a shared latent's n_h-head up-projections are not counted
+            from mla.conversion.layout import resolve
+
+            layout = resolve(cfg_model, **v.budget())
+            d_kv, r = -(-layout.kv_lora_rank // s.kv_heads), -(-layout.rope_components // s.kv_heads)
+            plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **common)
+            continue
         r = shapes.default_r(s.head_dim) if v.r is None else v.r
         d_kv = v.d_kv if v.svd != "none" else full_rank_d_kv(cfg_model, r)
         plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **common)

@@ -12,6 +12,7 @@ from mla.study import budgets, experiments
 from mla.study.config_schema import config_problems
 from mla.evaluation import mmlu
 from mla.kv.accounting import group_size_for
+from mla.study.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
 from mla.training.config import workflow_options
 
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
@@ -111,7 +112,11 @@ def convert_args(wc):
         args += ["--d-kv", v.d_kv]
     if v.r is not None:
         args += ["--r", v.r]
-    if v.rope_strategy == "2-norm":
+    if v.kv_width is not None:
+        args += ["--kv-width", v.kv_width, "--rope-share", v.rope_share]
+    if v.latent != DEFAULT_LATENT:
+        args += ["--latent", v.latent]
+    if v.rope_strategy in CALIBRATED_ROPE_STRATEGIES:
         args += ["--scores", calib["scores"]]
     # whitened: fit the SVD to the covariances; plain: only report the output error on held-out blocks
     args += ["--whiten" if v.whiten else "--covariance", calib["covariance"]]

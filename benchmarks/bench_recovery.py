@@ -1,0 +1,224 @@
+"""How much each conversion method loses right after conversion, at one cache width, on real weights.
+
+The methods of the recovery ablation, cumulatively, at the cache width of the paper's d_kv 16 + r 4
+(n_kv·(16 + 8) elements per token and layer: 72 for SmolLM2's 3 K/V heads):
+
+  1. the paper's method: 2-norm partial RoPE per KV head (r 4), plain joint SVD, d_kv 16
+  2. + activation-aware SVD (the joint SVD fitted to the attention inputs' covariance)
+  3. + rotated partial RoPE: n_kv·r = 12 rotated components in one shared RoPE key (the same width)
+  4. + shared latent: up-projections per query head. It is the same function at conversion (it only gives
+     training more to separate), so its logits are checked equal to row 3's on 2 held-out blocks and row 3's
+     losses are reported for it rather than scored again.
+  5. + each width split: the RoPE key takes 24/36/48/60 of the 72 (rope_share = dims / width), the latent the
+     rest (24 is row 4's conversion itself: reported from it); the per-head 2-norm layout is measured beside
+     the splits named by --per-head-splits (default 48) so that the rotation's gain at that split shows.
+
+One calibration pass over training blocks gives the 2-norm scores, the rotation's statistics and the
+covariances. Every model is scored on the same held-out blocks (evenly spaced over the validation split);
+`loss_se` is the paired standard error of the per-block loss change against the original model (the
+blocks are shared, so most of the between-block variance cancels), `original_loss_se` the SE of the
+original's own mean loss; `change_vs_previous_row` (± its paired SE) is each step of the cumulative ablation (a "beside" row's: against
+the step it stands beside),
+and every row carries its per-block losses (`block_losses`, `original_block_losses`) for other comparisons. `loss_after_fit` stays null unless a fitting function is passed to `run`
+(`fit(converted, original, train_blocks) -> fitted model`), which the layer-wise fit will provide.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_recovery.py --model ~/.cache/mla/smollm2-135m-instruct-fp32 \\
+        --data /tmp/rope/data --out recovery.json [--calibration-blocks 32] [--blocks 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+
+@dataclass
+class Method:
+    """One row of the ablation: a name and the conversion options (mla.conversion.convert.convert_model).
+    `same_function` marks a method whose model equals the previous row's function (checked, not scored)."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    whiten: bool = False
+    same_function: bool = False
+    beside: bool = False          # another layout at the row above's split, not a step of the ablation
+
+    def key(self) -> str:
+        """What the conversion computes: equal keys are one conversion, measured once."""
+        options = dict(self.options)
+        if "kv_width" in options:   # a width budget is the d_kv/r one when it gives the same numbers
+            options["rope_share"] = str(Fraction(str(options["rope_share"])))
+        return json.dumps({**options, "whiten": self.whiten}, sort_keys=True)
+
+
+def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,)) -> list[Method]:
+    """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits."""
+    width = n_kv * (d_kv + 2 * r)
+    paper = dict(d_kv=d_kv, r=r, strategy="2-norm", svd="joint")
+    rotated = dict(paper, strategy="rotated")
+    methods = [Method(f"paper: 2-norm per head r {r}, joint SVD, d_kv {d_kv}", paper),
+               Method("+ activation-aware SVD", paper, whiten=True),
+               Method(f"+ rotated RoPE ({n_kv * r} components, one shared key)", rotated, whiten=True),
+               Method("+ shared latent", dict(rotated, latent="shared"), whiten=True, same_function=True)]
+    for dims in splits:
+        split = dict(kv_width=width, rope_share=str(Fraction(dims, width)), svd="joint")
+        if dims == 2 * n_kv * r:          # the split of the rows above
+            split = dict(rotated)
+        methods.append(Method(f"+ split: {dims} RoPE dims (rotated, {dims // 2} components) + latent {width - dims}",
+                              dict(split, strategy="rotated", latent="shared"), whiten=True))
+        if dims in per_head_splits and dims % (2 * n_kv) == 0:
+            methods.append(Method(f"  beside: 2-norm per head r {dims // (2 * n_kv)} + latent {width - dims}, "
+                                  "activation-aware", dict(split, strategy="2-norm"), whiten=True, beside=True))
+    return methods
+
+
+def max_logit_gap(a, b, valid_blocks, blocks: int = 2) -> float:
+    """The largest |logit difference| of two models on the first held-out blocks."""
+    import numpy as np
+    import torch
+
+    ids = torch.from_numpy(np.array(valid_blocks[:blocks], dtype=np.int64))
+    with torch.inference_mode():
+        return (a(input_ids=ids).logits - b(input_ids=ids).logits).abs().max().item()
+
+
+def paired(losses: list[float], reference: list[float]) -> tuple[float, float]:
+    """Mean change against the reference's per-block losses and its paired standard error."""
+    from mla.evaluation.perplexity import mean_and_stderr
+
+    return mean_and_stderr([a - b for a, b in zip(losses, reference)])
+
+
+def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration_blocks: int = 32,
+        blocks: int = 64, batch_size: int = 8, fit: Callable | None = None, log=print) -> list[dict]:
+    """Calibrate once, convert with every method, score each on the same held-out blocks; JSON-ready rows."""
+    from mla.conversion import calibrate
+    from mla.conversion.convert import convert_model
+    from mla.evaluation.perplexity import mean_and_stderr, per_block_losses
+
+    start = time.perf_counter()
+    n = min(calibration_blocks, len(train_blocks))
+    cal = calibrate.calibration_pass(model, (train_blocks[i] for i in range(n)), batch_size=batch_size,
+                                     covariance=True)
+    covariances = {"covariance": cal["covariance"]}
+    log(f"calibration: {n} training blocks ({cal['tokens']} tokens) in {time.perf_counter() - start:.0f} s")
+    original, tokens = per_block_losses(model, valid_blocks, batch_size, blocks)
+    original_loss, original_se = mean_and_stderr(original)
+    log(f"original: {original_loss:.3f} ± {original_se:.3f} on {len(original)} held-out blocks ({tokens} tokens)")
+    rows, steps, measured, previous = [], [], {}, None
+    for method in methods:
+        t0 = time.perf_counter()
+        if method.key() in measured:        # the very same conversion as an earlier row
+            row = dict(measured[method.key()], method=method.name, note=f"the conversion of "
+                       f"'{measured[method.key()]['method']}'", seconds=0.0)
+            row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(row["block_losses"],
+                                                                                     steps[-1]["block_losses"])
+            rows.append(row)
+            steps += [] if method.beside else [row]
+            log(f"{method.name}: {row['note']}")
+            continue
+        converted, report = convert_model(model, scores=cal, covariances=covariances, whiten=method.whiten,
+                                          **method.options)
+        note = None
+        if method.same_function and previous is not None:
+            gap = max_logit_gap(converted, previous[0], valid_blocks)
+            if gap > 1e-3:
+                raise AssertionError(f"{method.name}: not the same function as '{previous[1]['method']}' "
+                                     f"(logits differ by {gap:.2e})")
+            losses = previous[2]
+            note = f"logits equal to '{previous[1]['method']}' on 2 held-out blocks (max |diff| {gap:.1e}): its losses"
+        else:
+            losses, _ = per_block_losses(converted, valid_blocks, batch_size, blocks)
+        fit_losses = None
+        if fit is not None:   # a fit may use what makes two equal functions differ (a shared latent's heads)
+            fitted = fit(converted, model, train_blocks)
+            fit_losses, _ = per_block_losses(fitted, valid_blocks, batch_size, blocks)
+        change, change_se = paired(losses, original)
+        row = {"method": method.name, "kv_elements_per_token_layer": report["kv_elements_per_token_layer"],
+               "rope_dims_per_layer": report["rope_dims_per_layer"], "latent_per_layer": report["latent_per_layer"],
+               "rope_layout": report["rope_layout"], "latent": report["latent"], "whitened": method.whiten,
+               "loss_after_conversion": sum(losses) / len(losses), "loss_change": change, "loss_se": change_se,
+               "loss_after_fit": None, "loss_change_after_fit": None, "loss_se_after_fit": None,
+               "original_loss": original_loss, "original_loss_se": original_se,
+               "output_error_mean": report.get("output_error_mean"), "params_after": report["params_after"],
+               "note": note}
+        if steps:   # the step of the cumulative ablation; a "beside" row against the step it stands beside
+            row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(losses, steps[-1]["block_losses"])
+        row["block_losses"] = losses
+        if fit_losses is not None:
+            row["loss_after_fit"] = sum(fit_losses) / len(fit_losses)
+            row["loss_change_after_fit"], row["loss_se_after_fit"] = paired(fit_losses, original)
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        log(f"{method.name}: {row['loss_after_conversion']:.3f} ({change:+.3f} ± {change_se:.3f}) "
+            f"[{row['rope_dims_per_layer']} RoPE + {row['latent_per_layer']} latent] {row['seconds']} s"
+            + (f" ({note})" if note else ""))
+        rows.append(row)
+        steps += [] if method.beside else [row]
+        measured[method.key()] = row
+        previous = (converted, row, losses)
+    for row in rows:
+        row.update(blocks=len(original), tokens=tokens, calibration_blocks=n, original_block_losses=original,
+                   loss_se_kind="paired SE of the per-block loss change against the original model")
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| method | cached per layer (RoPE + latent) | loss after conversion | change vs original ± paired SE "
+             "| vs the step above ± paired SE |", "|---|---|---|---|---|"]
+    for r in rows:
+        step = r.get("change_vs_previous_row")
+        step = "" if step is None else f"{step:+.3f} ± {r['change_vs_previous_row_se']:.3f}"
+        lines.append(f"| {r['method']} | {r['kv_elements_per_token_layer']} ({r['rope_dims_per_layer']} + "
+                     f"{r['latent_per_layer']}) | {r['loss_after_conversion']:.3f} | {r['loss_change']:+.3f} ± "
+                     f"{r['loss_se']:.3f} | {step} |")
+    o = rows[0]
+    lines.append(f"\noriginal: {o['original_loss']:.3f} ± {o['original_loss_se']:.3f} on {o['blocks']} held-out "
+                 f"blocks ({o['tokens']} tokens); calibration on {o['calibration_blocks']} training blocks")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import torch
+
+    from mla import atomic, checkpoint
+    from mla.data import open_blocks
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="HF checkpoint folder (a Llama-family model)")
+    p.add_argument("--data", required=True, help="`mla data` folder made with the model's tokenizer")
+    p.add_argument("--out", required=True, help="JSON file: a list of rows")
+    p.add_argument("--calibration-blocks", type=int, default=32, help="training blocks for scores and covariances")
+    p.add_argument("--blocks", type=int, default=64, help="held-out blocks scored (evenly spaced; at least 64)")
+    p.add_argument("--d-kv", type=int, default=16)
+    p.add_argument("--r", type=int, default=4)
+    p.add_argument("--splits", type=int, nargs="+", default=[24, 36, 48, 60], help="RoPE dims of the width splits")
+    p.add_argument("--per-head-splits", type=int, nargs="*", default=[48],
+                   help="splits at which the per-head 2-norm layout is measured beside the rotated one (default 48)")
+    p.add_argument("--batch-size", type=int, default=8)
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model = checkpoint.load_model(args.model)
+    n_kv = model.config.num_key_value_heads
+    methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits))
+    rows = run(model, open_blocks(args.data, "train"), open_blocks(args.data, "validation"), methods,
+               calibration_blocks=args.calibration_blocks, blocks=args.blocks, batch_size=args.batch_size)
+    for row in rows:
+        row["model"] = str(args.model)
+    with atomic.staged(args.out) as tmp:
+        tmp.write_text(json.dumps(rows, indent=1))
+    print(markdown(rows))
+    print(f"total {time.perf_counter() - start:.0f} s (threads: {torch.get_num_threads()}); wrote {args.out}")
+    best = min(rows, key=lambda r: r["loss_after_conversion"])
+    print(f"best: {best['method']}: {best['loss_after_conversion']:.3f} (goal <= 4.0; original "
+          f"{best['original_loss']:.3f}){'' if math.isfinite(best['loss_after_conversion']) else ' (not finite)'}")
+
+
+if __name__ == "__main__":
+    main()
