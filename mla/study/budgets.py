@@ -45,8 +45,8 @@ def needs(config: dict, model: str) -> list[tuple[int, str]]:
         calibrated |= v.needs_calibration
     for v in experiments.Study(config).fits().values():
         if root_model(config, v.model) == root:
-            out.append((v.fit["blocks"] * length, f"experiments.{v.experiment} {v.name}: fit.blocks "
-                                                  f"{v.fit['blocks']} blocks x {length} tokens"))
+            why = f"experiments.{v.experiment} {v.name}: fit.blocks {v.fit['blocks']} blocks x {length} tokens"
+            out.append((v.fit["blocks"] * length, why))
     if calibrated:  # calibration (2-norm scores, input covariances) reads calibrate.samples training blocks
         samples = config["calibrate"]["samples"]
         out.append((samples * length, f"calibrate.samples: {samples} blocks x {length} tokens"))
@@ -85,8 +85,8 @@ def fit_errors(config: dict) -> list[tuple[str, str]]:
         available = validation_tokens(config, v.model) // length
         if v.fit["heldout"] > available:
             errors.append((f"{fit_key_path(config, v)}.heldout",
-                           f"{v.fit['heldout']} held-out blocks, but data.validation_tokens holds {available} "
-                           f"blocks of {length} tokens; lower it or raise data.validation_tokens"))
+                           (f"{v.fit['heldout']} held-out blocks, but data.validation_tokens holds {available} "
+                            f"blocks of {length} tokens; lower it or raise data.validation_tokens")))
     return errors
 
 

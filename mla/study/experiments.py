@@ -252,8 +252,8 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
                 errors.append((f"{key}.whiten", "activation-aware SVD needs svd: joint or split"))
         baseline_fit = ((exp.get("overrides") or {}).get("baseline") or {}).get("fit")
         if baseline_fit is not None:
-            errors.append((f"{where}.overrides.baseline.fit", "the baseline is not converted, so it has no "
-                                                               "attention layers to fit; remove `fit` there"))
+            errors.append((f"{where}.overrides.baseline.fit",
+                           "the baseline is not converted, so it has no attention layers to fit; remove `fit` there"))
         labels = [v.label for v in experiment_variants(config, ename)] if not errors else []
         for label in {x for x in labels if labels.count(x) > 1}:
             errors.append((where, f"two variants share the legend label '{label}': give each its own `label`"))
