@@ -240,20 +240,20 @@ def test_a_fitted_variant_is_fitted_between_its_conversion_and_its_fine_tuning(t
             f"--out {v.fit_dir} --steps 3 --lr 0.003 --blocks 4 --batch 2 --heldout 4 --device cpu") in out
 
 
-def test_a_fit_added_to_a_finished_run_reuses_its_conversion_and_runs_its_rule(smoke_run, tmp_path):
-    work, _ = smoke_run
+def test_the_fit_rule_writes_a_fitted_checkpoint(tmp_path):
+    """The fit job and what it needs (download, data, calibrate, convert of one tiny model), nothing else."""
     path, cfg = _fit_config(tmp_path)
     v = next(v for v in smoke_study(cfg).variants if v.name == "fitted")
-    plan = snakemake(work, "-n", configfile=path)
-    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
-    run = f"model={v.model}, start={v.start}, recipe={v.recipe}"
-    assert planned_jobs(plan.stdout + plan.stderr) == {
-        ("fit", f"model={v.model}, conversion={v.conversion}, fit={v.fit_key}"), ("finetune", run),
-        ("evaluate", run), ("table", "experiment=gqa2mla"), ("plot", ""), ("all", "")}
-    done = snakemake(work, *ONE_THREAD, v.fit_dir, configfile=path)      # the fit job alone
+    work = tmp_path / "work"
+    done = snakemake(work, v.fit_dir, *ONE_THREAD, configfile=path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + _failed_logs(work)
+    assert job_counts(done.stdout + done.stderr) == {"download": 1, "data": 1, "calibrate": 1, "convert": 1, "fit": 1,
+                                                     "total": 5}
     report = json.loads((work / v.fit_dir / "fit.json").read_text())
     assert {k: report["settings"][k] for k in FIT} == FIT
     assert len(report["layers"]) == 2 and report["heldout_loss_after"]["blocks"] == FIT["heldout"]
+    assert all(0 < e["error_before"] < 10 and 0 < e["error_after"] < 10 for e in report["layers"])
     assert (work / v.fit_dir / "config.json").is_file() and (work / v.fit_dir / "modeling_mla.py").is_file()
     assert list((work / "logs/fit").rglob("*.log")) and list((work / "benchmarks/fit").rglob("*.tsv"))
+    again = snakemake(work, "-n", v.fit_dir, configfile=path)
+    assert "Nothing to be done" in again.stdout + again.stderr
