@@ -86,6 +86,24 @@ def test_fitting_lowers_every_layers_output_error_on_heldout_blocks():
     assert all(torch.equal(teacher[k], v) for k, v in source.state_dict().items())
 
 
+def test_a_bf16_model_is_fitted_in_fp32_and_cast_back_once():
+    """The GPU path's precision on the CPU: models in bf16, the fitted layer in fp32 during its fit."""
+    source = tiny_llama(num_kv_heads=2, num_hidden_layers=2).to(torch.bfloat16)
+    converted, _ = convert_model(source, d_kv=4, r=1, strategy="high")
+    progress = fit.FitProgress()
+    report = fit.fit_model(source, converted, _blocks(1, 32), _blocks(2, 8), fit.FitSettings(steps=20, lr=3e-3),
+                           progress=progress, log=lambda *a: None)
+    assert (report["dtype"], report["fit_dtype"], report["device"]) == ("bfloat16", "float32", "cpu (bf16)")
+    assert report["stream_bytes"] == 3 * (32 + 8) * LENGTH * 64 * 2
+    for i, layer in enumerate(converted.model.layers):
+        state = progress.load(i)["state"]
+        assert all(t.dtype == torch.float32 for t in state.values())
+        for name, p in layer.self_attn.state_dict().items():          # the model holds the fp32 fit, cast once
+            assert p.dtype == torch.bfloat16 and torch.equal(p, state[name].to(torch.bfloat16)), name
+        assert report["layers"][i]["error_after"] < report["layers"][i]["error_before"]
+    assert all(p.dtype == torch.bfloat16 for p in converted.parameters())
+
+
 def test_cli_writes_a_fitted_checkpoint_and_fit_json(pair, data_dir, tmp_path):
     source, converted = pair
     out = tmp_path / "fitted"
