@@ -3,9 +3,10 @@
 #   snakemake --cores all                                   # the embedded default (CPU, offline)
 #   snakemake --profile workflow/profiles/slurm --configfile configs/paper.yaml   # the paper, on SLURM
 #
-# Stages (one rule file each): download -> data -> calibrate -> convert -> finetune -> evaluate -> figures.
+# Stages (one rule file each): download -> data -> calibrate -> convert [-> fit] -> finetune -> evaluate -> figures.
 # Rules only call `mla <verb>`; the science is in the `mla` package. Paths (mla/study/experiments.py):
-#   results/convert/<model>/<conversion>, results/finetune/<model>/<start>/<recipe>/...,
+#   results/convert/<model>/<conversion>, results/fit/<model>/<conversion>/<fit>,
+#   results/finetune/<model>/<start>/<recipe>/...,
 #   results/evaluate/<model>/{original,<start>/<recipe>}/eval.json, results/tables/<experiment>.*,
 #   logs/<rule>/<wildcards>.log, benchmarks/<rule>/<wildcards>.tsv
 
@@ -42,7 +43,8 @@ wildcard_constraints:
     model=_alternatives(config["models"]),
     experiment=_alternatives(config["experiments"]),
     conversion=_alternatives(c for _, c in STUDY.conversions()),
-    start=_alternatives(["baseline", *(c for _, c in STUDY.conversions())]),
+    start=_alternatives(["baseline", *(c for _, c in STUDY.conversions()), *(s for _, s in STUDY.starts())]),
+    fit=_alternatives(f for _, _, f in STUDY.fits()),
     recipe=_alternatives(r for _, _, r in STUDY.runs()),
 
 
@@ -50,6 +52,7 @@ include: "workflow/rules/download.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/convert.smk"
+include: "workflow/rules/fit.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/figures.smk"

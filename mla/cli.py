@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": "mla.commands.plan",
     "calibrate": "mla.commands.calibrate",
     "convert": "mla.commands.convert",
+    "fit": "mla.commands.fit",
     "data": "mla.commands.data",
     "train": "mla.commands.train",
     "prefetch": "mla.commands.prefetch",

@@ -176,3 +176,54 @@ def test_convert_cli_svd_none_refuses_a_d_kv_and_whitening(tmp_path):
     r = subprocess.run(base, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "d_kv=28" in r.stdout
+
+
+# ---------------------------------------------------------------- fit: layer-wise fitting after conversion
+def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
+    cfg = default_config()
+    before = {v.name: v for v in experiments.experiment_variants(cfg, "gqa2mla")}
+    exp = cfg["experiments"]["gqa2mla"]
+    exp["fit"] = {"steps": 10}                        # the experiment's default for its MLA variants ...
+    exp["overrides"] = {"dkv8": {"fit": None}}        # ... which one variant turns off
+    exp["variants"] = {"same-fit": {"d_kv": 16, "fit": {"steps": 10, "lr": 1e-3}, "label": "fitted 16"}}
+    s = experiments.Study(validated(cfg))
+    by_name = {v.name: v for v in s.experiment("gqa2mla")}
+    for name in ("dkv8", "baseline"):                 # unfitted: the same paths and jobs as before
+        v = by_name[name]
+        assert v.fit is None and (v.start, v.run_dir) == (before[name].start, before[name].run_dir)
+    v16 = by_name["dkv16"]
+    assert v16.fit == {"steps": 10, "lr": 1e-3, "blocks": 64, "batch": 8, "heldout": 64}
+    assert v16.conversion == before["dkv16"].conversion        # the fit starts from the same conversion
+    assert v16.fit_dir == f"results/fit/smollm2-135m/{v16.conversion}/{v16.fit_key}" == v16.start_dir
+    assert v16.start == f"{v16.conversion}-{v16.fit_key}" and v16.run_dir != before["dkv16"].run_dir
+    assert s.start_dir("smollm2-135m", v16.start) == v16.fit_dir
+    assert s.start_dir("smollm2-135m", "baseline") == "results/models/smollm2-135m"
+    # the same settings, spelled out differently: one fit, one run
+    assert by_name["same-fit"].start == v16.start and by_name["same-fit"].run_dir == v16.run_dir
+    assert s.jobs()["fits"] == 2 and s.jobs()["conversions"] == experiments.Study(default_config()).jobs()["conversions"]
+    # another setting is another fit
+    other = copy.deepcopy(cfg)
+    other["experiments"]["gqa2mla"]["fit"] = {"steps": 20}
+    v16_other = next(v for v in experiments.experiment_variants(validated(other), "gqa2mla") if v.name == "dkv16")
+    assert v16_other.fit_key != v16.fit_key and v16_other.conversion == v16.conversion
+    # the fit reads its 64 training blocks from the model's data, which must hold them
+    assert budgets.train_tokens(s.config, "smollm2-135m") == 64 * 128
+
+
+@pytest.mark.parametrize("change, key, message", [
+    ({"overrides": {"baseline": {"fit": {"steps": 5}}}}, "experiments.gqa2mla.overrides.baseline.fit",
+     "baseline is not converted"),
+    ({"fit": {"steps": 0}}, "experiments.gqa2mla.fit.steps", "less than the minimum of 1"),
+    ({"variants": {"x": {"d_kv": 4, "fit": {"blocks": 0}}}}, "experiments.gqa2mla.variants.x.fit.blocks",
+     "less than the minimum of 1"),
+    ({"fit": {"step": 10}}, "experiments.gqa2mla.fit", "'step' was unexpected"),
+    ({"fit": {"heldout": 513}}, "experiments.gqa2mla.fit.heldout", "data.validation_tokens holds 512 blocks"),
+    ({"overrides": {"dkv8": {"fit": {"blocks": 10000}}}}, "data.max_tokens", "fit.blocks 10000 blocks x 128"),
+])
+def test_bad_fits_are_named_before_any_job(change, key, message):
+    from mla.study.config_schema import config_problems
+
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["experiments"]["gqa2mla"].update(change)
+    problems = config_problems(cfg)
+    assert any(k == key and message in m for k, m in problems), problems

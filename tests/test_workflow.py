@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # each test job uses one core, so two jobs overlap their start-up (imports) on a 2-core machine
-ONE_THREAD = ["--set-threads", *(f"{r}=1" for r in ("download", "data", "calibrate", "convert", "finetune",
+ONE_THREAD = ["--set-threads", *(f"{r}=1" for r in ("download", "data", "calibrate", "convert", "fit", "finetune",
                                                       "evaluate"))]
 
 
@@ -208,3 +208,52 @@ def test_renaming_reruns_only_the_figure_and_tables(smoke_run, tmp_path):
     assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
     jobs = planned_jobs(plan.stdout + plan.stderr)
     assert {rule for rule, _ in jobs} == {"table", "plot", "all"}, jobs
+
+
+# ---------------------------------------------------------------- a variant with a layer-wise fit
+FIT = {"steps": 3, "lr": 3.0e-3, "blocks": 4, "batch": 2, "heldout": 4}
+
+
+def _fit_config(tmp_path: Path) -> tuple[Path, dict]:
+    """The smoke config plus a variant that fits dkv4's conversion before fine-tuning."""
+    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg["experiments"]["gqa2mla"]["variants"] = {"fitted": {"d_kv": 4, "fit": FIT, "label": "d_kv = 4, fitted"}}
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def test_a_fitted_variant_is_fitted_between_its_conversion_and_its_fine_tuning(tmp_path):
+    path, cfg = _fit_config(tmp_path)
+    v = next(v for v in smoke_study(cfg).variants if v.name == "fitted")
+    plan = snakemake(tmp_path / "work", "-n", "-p", configfile=path)
+    out = plan.stdout + plan.stderr
+    assert plan.returncode == 0, out[-3000:]
+    counts, smoke = job_counts(out), smoke_study()
+    assert counts["fit"] == 1
+    assert counts["convert"] == smoke.jobs()["conversions"]          # it reuses dkv4's conversion
+    assert counts["finetune"] == smoke.jobs()["runs"] + 1
+    assert ("fit", f"model={v.model}, conversion={v.conversion}, fit={v.fit_key}") in planned_jobs(out)
+    finetune = next(b for b in re.split(r"\n(?=\[.*\]\n)", out) if "rule finetune:" in b and f"start={v.start}," in b)
+    assert re.search(rf"input: {re.escape(v.fit_dir)}, ", finetune), finetune
+    assert (f"fit --model {v.convert_dir} --source results/models/{v.model} --data results/data/{v.model} "
+            f"--out {v.fit_dir} --steps 3 --lr 0.003 --blocks 4 --batch 2 --heldout 4 --device cpu") in out
+
+
+def test_the_fit_rule_writes_a_fitted_checkpoint(tmp_path):
+    """The fit job and what it needs (download, data, calibrate, convert of one tiny model), nothing else."""
+    path, cfg = _fit_config(tmp_path)
+    v = next(v for v in smoke_study(cfg).variants if v.name == "fitted")
+    work = tmp_path / "work"
+    done = snakemake(work, v.fit_dir, *ONE_THREAD, configfile=path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + _failed_logs(work)
+    assert job_counts(done.stdout + done.stderr) == {"download": 1, "data": 1, "calibrate": 1, "convert": 1, "fit": 1,
+                                                     "total": 5}
+    report = json.loads((work / v.fit_dir / "fit.json").read_text())
+    assert {k: report["settings"][k] for k in FIT} == FIT
+    assert len(report["layers"]) == 2 and report["heldout_loss_after"]["blocks"] == FIT["heldout"]
+    assert all(0 < e["error_before"] < 10 and 0 < e["error_after"] < 10 for e in report["layers"])
+    assert (work / v.fit_dir / "config.json").is_file() and (work / v.fit_dir / "modeling_mla.py").is_file()
+    assert list((work / "logs/fit").rglob("*.log")) and list((work / "benchmarks/fit").rglob("*.tsv"))
+    again = snakemake(work, "-n", v.fit_dir, configfile=path)
+    assert "Nothing to be done" in again.stdout + again.stderr

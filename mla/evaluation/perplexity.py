@@ -79,19 +79,23 @@ def per_block_losses(model, blocks: np.ndarray, batch_size: int = 1, max_blocks:
 
 
 def perplexity(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int | None = None,
-               max_length: int | None = None) -> dict:
+               max_length: int | None = None, per_block: bool = False) -> dict:
     """Mean cross-entropy (nats/token) of each block's tokens 1.. given the previous ones, exp of it, and
     their standard errors across blocks (see the module docstring).
 
     Every block is scored independently (no cache carried over). `max_length` truncates blocks;
     `max_blocks` takes that many blocks evenly spaced over the split (`mla data` writes the sources
     interleaved in their shares, so a spread sample keeps the mixture; the first blocks need not).
-    The model runs on its own device; the loss is computed in fp32.
+    The model runs on its own device; the loss is computed in fp32. `per_block` adds each block's mean
+    loss ("block_losses", in row order) for paired comparisons of two models on the same blocks.
     """
     block_losses, total_tokens = per_block_losses(model, blocks, batch_size, max_blocks, max_length)
     n = len(block_losses)
     mean, se = mean_and_stderr(block_losses)
     ppl = math.exp(mean)
-    return {"blocks": int(n), "tokens": int(total_tokens), "mean_loss": mean, "mean_loss_stderr": se,
-            "perplexity": ppl, "perplexity_stderr": None if se is None else ppl * se,
-            "stderr_method": "per-block mean losses: SE = sd/sqrt(blocks); perplexity by the delta method exp(m)*SE(m)"}
+    out = {"blocks": int(n), "tokens": int(total_tokens), "mean_loss": mean, "mean_loss_stderr": se,
+           "perplexity": ppl, "perplexity_stderr": None if se is None else ppl * se,
+           "stderr_method": "per-block mean losses: SE = sd/sqrt(blocks); perplexity by the delta method exp(m)*SE(m)"}
+    if per_block:
+        out["block_losses"] = block_losses
+    return out

@@ -1,8 +1,9 @@
 """Token budgets that follow from the experiments of a validated workflow config.
 
 The tokens a model's data must hold are not a free knob: every fine-tuning run reads
-`steps x batch_size x block_length` training tokens (it never repeats a block), and calibration reads
-`calibrate.samples` training blocks. Derived models (`source: mha-from-gqa`) use their root model's
+`steps x batch_size x block_length` training tokens (it never repeats a block), calibration reads
+`calibrate.samples` training blocks and a layer-wise fit its `fit.blocks` (and `fit.heldout` validation
+blocks, which `data.validation_tokens` must hold). Derived models (`source: mha-from-gqa`) use their root model's
 tokenizer and therefore its data, so the budget of one data folder is the largest need over every
 experiment whose model has that root. `data.max_tokens` is only a cap (null = none): a config whose
 cap is below a need is refused before any job runs.
@@ -42,6 +43,10 @@ def needs(config: dict, model: str) -> list[tuple[int, str]]:
                     f"experiments.{v.experiment} {v.name}: {t['steps']} steps x {t['batch_size']} sequences"
                     f" x {length} tokens"))
         calibrated |= v.needs_calibration
+    for v in experiments.Study(config).fits().values():
+        if root_model(config, v.model) == root:
+            why = f"experiments.{v.experiment} {v.name}: fit.blocks {v.fit['blocks']} blocks x {length} tokens"
+            out.append((v.fit["blocks"] * length, why))
     if calibrated:  # calibration (2-norm scores, input covariances) reads calibrate.samples training blocks
         samples = config["calibrate"]["samples"]
         out.append((samples * length, f"calibrate.samples: {samples} blocks x {length} tokens"))
@@ -63,12 +68,35 @@ def validation_tokens(config: dict, model: str) -> int:
     return int(value if value is not None else DEFAULT_VALIDATION_TOKENS)
 
 
+def fit_key_path(config: dict, v) -> str:
+    """The config key that gave variant `v` its `fit` (its own entry, an override, or its experiment's)."""
+    exp = config["experiments"][v.experiment]
+    for part in ("overrides", "variants"):
+        if "fit" in ((exp.get(part) or {}).get(v.name) or {}):
+            return f"experiments.{v.experiment}.{part}.{v.name}.fit"
+    return f"experiments.{v.experiment}.fit"
+
+
+def fit_errors(config: dict) -> list[tuple[str, str]]:
+    """(config key, message) for a fit that asks for more held-out blocks than `data.validation_tokens` give."""
+    errors = []
+    for v in experiments.Study(config).fits().values():
+        length = block_length(config, v.model)
+        available = validation_tokens(config, v.model) // length
+        if v.fit["heldout"] > available:
+            errors.append((f"{fit_key_path(config, v)}.heldout",
+                           (f"{v.fit['heldout']} held-out blocks, but data.validation_tokens holds {available} "
+                            f"blocks of {length} tokens; lower it or raise data.validation_tokens")))
+    return errors
+
+
 def budget_errors(config: dict) -> list[tuple[str, str]]:
-    """(config key, message) for every data folder whose need exceeds the `data.max_tokens` cap."""
+    """(config key, message) for every data folder whose need exceeds the `data.max_tokens` cap, and every
+    fit whose held-out blocks the validation split cannot hold."""
+    errors = fit_errors(config)
     cap = config["data"].get("max_tokens")
     if cap is None:
-        return []
-    errors = []
+        return errors
     roots = dict.fromkeys(root_model(config, e["model"]) for e in config["experiments"].values()
                           if e["model"] in config["models"])
     for root in roots:

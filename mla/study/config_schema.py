@@ -23,7 +23,7 @@ EVALUATE_DEFAULTS_FROM_CLI = ("local_docs", "mmlu", "mmlu_seed", "paper_limit", 
 
 def load_schema() -> dict:
     """The YAML schema with the lists and defaults that the package defines filled in (mla.study.options for
-    the strategies and model sources, TrainConfig for the recipe's paper defaults and the
+    the strategies, model sources and fit settings, TrainConfig for the recipe's paper defaults and the
     MLflow experiment, mla.study.tracking for the store, EvalOptions for the evaluation's)."""
     from mla.evaluation.report import EvalOptions
     from mla.study.options import (
@@ -33,6 +33,7 @@ def load_schema() -> dict:
         DEFAULT_VALIDATION_FRACTION,
         DEFAULT_VALIDATION_TOKENS,
         LATENT_LAYOUTS,
+        FIT_DEFAULTS,
         MODEL_SOURCES,
         ROPE_STRATEGIES,
         SVD_METHODS,
@@ -52,6 +53,8 @@ def load_schema() -> dict:
         props["train"]["properties"][key]["default"] = getattr(TrainConfig, key)
     props["mlflow"]["properties"]["experiment"]["default"] = TrainConfig.experiment
     props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
+    for key, value in FIT_DEFAULTS.items():
+        schema["$defs"]["fit"]["properties"][key]["default"] = value
     props["data"]["properties"]["validation_tokens"]["default"] = DEFAULT_VALIDATION_TOKENS
     props["data"]["properties"]["validation_fraction"]["default"] = DEFAULT_VALIDATION_FRACTION
     for key in EVALUATE_DEFAULTS_FROM_CLI:

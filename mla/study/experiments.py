@@ -5,7 +5,9 @@ An *experiment* (one panel of the loss figure, one table) lists *variants*. The 
 any others with their own settings (d_kv, r, rope_strategy, svd, whiten, latent, kv_width, rope_share, steps,
 lr, label, paper; kv_width + rope_share give the cache budget instead of d_kv + r, mla/conversion/layout.py);
 `overrides:` changes settings of named variants of either kind; `baseline: true` adds the unconverted
-model fine-tuned with the same recipe.
+model fine-tuned with the same recipe. `fit: {steps, lr, blocks, batch, heldout}` (on an experiment: the
+default of its MLA variants; `fit: null` on a variant: none) fits the converted layers to the source's
+before fine-tuning (`mla fit`, docs/fitting.md).
 
 Jobs are keyed by what they compute, never by names, so work shared between variants and
 experiments runs once:
@@ -13,7 +15,8 @@ experiments runs once:
   conversion  results/convert/<model>/<strategy>-r<r>-<svd>[-white][-dkv<N>][-shared-latent], or
               results/convert/<model>/<strategy>-kv<W>-rope<S·W>-<svd>[-white][-shared-latent] for a width budget
               (model + partial-RoPE + SVD settings; the calibration and data are per model)
-  fine-tune   results/finetune/<model>/<start>/<recipe>, start = a conversion or `baseline`,
+  fit         results/fit/<model>/<conversion>/<fit>, fit = `f` + 8 hex of the fit settings
+  fine-tune   results/finetune/<model>/<start>/<recipe>, start = a conversion, <conversion>-<fit> or `baseline`,
               recipe = `t` + 8 hex of the training recipe (launch settings such as nproc left out)
   evaluation  results/evaluate/<model>/<start>/<recipe>/eval.json, and
               results/evaluate/<model>/original/eval.json once per model
@@ -30,14 +33,14 @@ from dataclasses import dataclass, field
 
 from fractions import Fraction
 
-from mla.study.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
+from mla.study.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS
 
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).
 LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
                "save_steps", "device", "gpu_memory_gb")
 VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "svd", "whiten", "latent", "kv_width", "rope_share", "steps", "lr",
-                "label", "paper")
+                "label", "paper", "fit")
 RUN_SETTINGS = ("steps", "lr")              # per-variant changes to the training recipe
 
 
@@ -60,6 +63,7 @@ class Variant:
     latent: str = DEFAULT_LATENT             # per_head | shared (mla/conversion/layout.py)
     kv_width: int | None = None              # a budget by cache width instead of d_kv and r ...
     rope_share: str | float | None = None    # ... with this fraction of it given to RoPE dims
+    fit: dict | None = field(default=None, hash=False)   # layer-wise fit settings (all keys), None: no fit
 
     @property
     def is_baseline(self) -> bool:
@@ -84,7 +88,15 @@ class Variant:
                 "kv_width": self.kv_width, "rope_share": self.rope_share, "latent": self.latent}
 
     @property
+    def fit_key(self) -> str | None:
+        """Folder name of this variant's layer-wise fit (None: not fitted)."""
+        return None if self.fit is None else fit_key(self.fit)
+
+    @property
     def start(self) -> str:
+        """What fine-tuning starts from: `baseline`, the conversion, or the conversion's fit."""
+        if self.fit_key is not None:
+            return f"{self.conversion}-{self.fit_key}"
         return self.conversion or "baseline"
 
     @property
@@ -99,6 +111,17 @@ class Variant:
     @property
     def convert_dir(self) -> str:
         return convert_dir(self.model, self.conversion)
+
+    @property
+    def fit_dir(self) -> str | None:
+        return None if self.fit_key is None else fit_dir(self.model, self.conversion, self.fit_key)
+
+    @property
+    def start_dir(self) -> str:
+        """The checkpoint fine-tuning starts from."""
+        if self.is_baseline:
+            return model_dir(self.model)
+        return self.fit_dir or self.convert_dir
 
     @property
     def run_dir(self) -> str:
@@ -130,6 +153,20 @@ def calibration_files(model: str) -> dict[str, str]:
 
 def convert_dir(model: str, conversion: str) -> str:
     return f"results/convert/{model}/{conversion}"
+
+
+def fit_dir(model: str, conversion: str, fit: str) -> str:
+    return f"results/fit/{model}/{conversion}/{fit}"
+
+
+def fit_settings(fit: dict | None) -> dict | None:
+    """A `fit:` setting with every default filled in (None: no fit)."""
+    return None if fit is None else {k: fit.get(k, v) for k, v in FIT_DEFAULTS.items()}
+
+
+def fit_key(settings: dict) -> str:
+    blob = json.dumps(fit_settings(settings), sort_keys=True)
+    return "f" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
 def run_dir(model: str, start: str, recipe: str) -> str:
@@ -189,7 +226,7 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
     kind = exp.get("kind", "GQA").upper()
     out = []
     for name, own in declared_settings(exp).items():
-        s = {k: exp.get(k) for k in ("r", "rope_strategy", "svd", "whiten", "latent")}
+        s = {k: exp.get(k) for k in ("r", "rope_strategy", "svd", "whiten", "latent", "fit")}
         if own.get("kv_width") is not None:   # a width budget decides r: the experiment's r is not for it
             s["r"] = None
         s.update({k: v for k, v in own.items() if k in VARIANT_KEYS})
@@ -202,7 +239,8 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
             whiten=bool(s["whiten"]) and svd != "none",     # an experiment's whitening skips full-rank variants
             train=train_settings(config, experiment, own), paper=own.get("paper"),
             latent=s["latent"] or DEFAULT_LATENT, rope_share=s.get("rope_share"),
-            kv_width=None if s.get("kv_width") is None else int(s["kv_width"])))   # YAML may give 72.0
+            kv_width=None if s.get("kv_width") is None else int(s["kv_width"]),   # YAML may give 72.0
+            fit=fit_settings(s["fit"])))
     if exp.get("baseline", True):
         own = (exp.get("overrides") or {}).get("baseline", {})
         out.append(Variant(experiment=experiment, name="baseline", label=own.get("label", kind), model=exp["model"],
@@ -246,6 +284,10 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
                 errors.append((f"{key}.d_kv", f"svd: {svd} needs a latent size d_kv (or kv_width and rope_share)"))
             if svd == "none" and whiten:
                 errors.append((f"{key}.whiten", "activation-aware SVD needs svd: joint or split"))
+        baseline_fit = ((exp.get("overrides") or {}).get("baseline") or {}).get("fit")
+        if baseline_fit is not None:
+            errors.append((f"{where}.overrides.baseline.fit",
+                           "the baseline is not converted, so it has no attention layers to fit; remove `fit` there"))
         labels = [v.label for v in experiment_variants(config, ename)] if not errors else []
         for label in {x for x in labels if labels.count(x) > 1}:
             errors.append((where, f"two variants share the legend label '{label}': give each its own `label`"))
@@ -288,6 +330,30 @@ class Study:
                 out.setdefault((v.model, v.conversion), v)
         return out
 
+    def fits(self) -> dict[tuple[str, str, str], Variant]:
+        """(model, conversion, fit key) -> the first variant that fits it (they all fit identically)."""
+        out = {}
+        for v in self.variants:
+            if v.fit_key is not None:
+                out.setdefault((v.model, v.conversion, v.fit_key), v)
+        return out
+
+    def starts(self) -> dict[tuple[str, str], str]:
+        """(model, start) -> the checkpoint folder fine-tuning starts from."""
+        return {(v.model, v.start): v.start_dir for v in self.variants}
+
+    def fit(self, model: str, conversion: str, fit: str) -> Variant:
+        try:
+            return self.fits()[(model, conversion, fit)]
+        except KeyError:
+            raise KeyError(f"no variant fits {model}/{conversion} as {fit}") from None
+
+    def start_dir(self, model: str, start: str) -> str:
+        try:
+            return self.starts()[(model, start)]
+        except KeyError:
+            raise KeyError(f"no variant of {model} starts from {start}") from None
+
     def runs(self) -> dict[tuple[str, str, str], Variant]:
         """(model, start, recipe) -> the first variant that trains it; its launch settings are used."""
         out = {}
@@ -325,5 +391,6 @@ class Study:
     def jobs(self) -> dict[str, int]:
         """Training and conversion jobs, and how many variants share them (for messages and tests)."""
         originals = {exp["model"] for exp in self.config["experiments"].values()}
-        return {"conversions": len(self.conversions()), "runs": len(self.runs()), "variants": len(self.variants),
+        return {"conversions": len(self.conversions()), "fits": len(self.fits()), "runs": len(self.runs()),
+                "variants": len(self.variants),
                 "original_evaluations": len(originals) if self.config["evaluate"].get("original", True) else 0}

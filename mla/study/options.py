@@ -16,3 +16,6 @@ MODEL_SOURCES = ("smollm2-wheel", "hub", "local", "mha-from-gqa", "tiny-random")
 DEFAULT_VALIDATION_FRACTION = 0.05         # share of documents held out, by document hash: `mla data` splits
                                            # by it and the local lm-eval task must pick the same files
 DEFAULT_VALIDATION_TOKENS = 65536          # held-out tokens per data folder (`mla data`, data.validation_tokens)
+# Layer-wise fitting (`mla fit`, a variant's `fit:`): steps and learning rate per layer, training blocks
+# read, blocks per step, validation blocks for the held-out errors and loss (mla/conversion/fit.py)
+FIT_DEFAULTS = {"steps": 100, "lr": 1.0e-3, "blocks": 64, "batch": 8, "heldout": 64}

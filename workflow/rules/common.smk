@@ -123,14 +123,21 @@ def convert_args(wc):
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
+# ---------------------------------------------------------------- fit rules
+def fit_args(wc):
+    # the fit settings (all of them, defaults filled in): a change reruns the fit and what starts from it
+    settings = STUDY.fit(wc.model, wc.conversion, wc.fit).fit
+    return " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in settings.items())
+
+
 # ---------------------------------------------------------------- finetune rules
 def _run(wc):
     return STUDY.run(wc.model, wc.start, wc.recipe)
 
 
 def start_checkpoint(wc):
-    """What a fine-tuning run starts from: the converted model, or the original for the baseline."""
-    return model_dir(wc.model) if wc.start == "baseline" else experiments.convert_dir(wc.model, wc.start)
+    """What a fine-tuning run starts from: the converted (or fitted) model, or the original for the baseline."""
+    return STUDY.start_dir(wc.model, wc.start)
 
 
 def finetune_nodes(wc):
