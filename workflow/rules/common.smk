@@ -128,6 +128,12 @@ def start_checkpoint(wc):
     return model_dir(wc.model) if wc.start == "baseline" else experiments.convert_dir(wc.model, wc.start)
 
 
+def finetune_teacher(wc):
+    """The distillation teacher's checkpoint (a model key's folder), or nothing without distillation."""
+    distill = _run(wc).train.get("distill")
+    return [model_dir(distill["teacher"])] if distill else []
+
+
 def finetune_nodes(wc):
     return _run(wc).train["nodes"]
 
