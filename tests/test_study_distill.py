@@ -128,7 +128,7 @@ def test_snakemake_gives_the_teacher_to_the_distilled_run(tmp_path):
     config.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "work"),
            "--configfile", str(config), "--profile", str(ROOT / "workflow/profiles/local"), "-n", "-p"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     text = out.stdout + out.stderr
     distilled = next(v for v in experiments.Study(validated(cfg)).variants if v.name == "dkv4")

@@ -16,7 +16,13 @@ import json
 
 import pytest
 import torch
-from train_helpers import loaded_shares, plain_losses, read_rows, run_train, train_inputs  # noqa: F401
+from train_helpers import (  # noqa: F401
+    loaded_shares,
+    plain_losses,
+    read_rows,
+    run_train,
+    train_inputs,
+)
 
 from mla.cli import main
 
@@ -206,16 +212,17 @@ def teachers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--distill-weight", "-1", "--teacher", "{llama}"], "--distill-weight (train.distill.weight) must be >= 0, got -1.0"),
+    (["--distill-weight", "-1", "--teacher", "{llama}"],
+     "--distill-weight (train.distill.weight) must be >= 0, got -1.0"),
     (["--distill-weight", "1", "--distill-temperature", "0", "--teacher", "{llama}"],
      "--distill-temperature (train.distill.temperature) must be > 0, got 0.0"),
     (["--distill-weight", "1"], "--distill-weight 1.0 needs --teacher DIR"),
     (["--trainable", "mlp"], "--trainable (train.trainable) must be one of all, attention, got 'mlp'"),
     (["--distill-weight", "1", "--teacher", "{missing}"], "--teacher {missing}: missing checkpoint"),
-    (["--distill-weight", "1", "--teacher", "{other}"], "--teacher {other}: its vocabulary has 256 tokens, the "
-                                                         "student's 512"),
-    (["--distill-weight", "1", "--teacher", "{retokenized}"], "--teacher {retokenized}: its tokenizer.json maps "
-                                                               "other tokens than the student's"),
+    (["--distill-weight", "1", "--teacher", "{other}"],
+     "--teacher {other}: its vocabulary has 256 tokens, the student's 512"),
+    (["--distill-weight", "1", "--teacher", "{retokenized}"],
+     "--teacher {retokenized}: its tokenizer.json maps other tokens than the student's"),
 ])
 def test_bad_distillation_input_fails_in_one_line_before_any_work(train_inputs, teachers, tmp_path, capsys, flags,
                                                                   message):

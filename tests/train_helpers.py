@@ -63,9 +63,8 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
     from mla.data import open_blocks
     from mla.training.optimizer import parameter_groups
     from mla.training.schedule import warmup_constant_sqrt_decay
-    from mla.training.trainer import BlockDataset
-
     from mla.training.trainable import select_trainable
+    from mla.training.trainer import BlockDataset
 
     model = load_model(root / model_dir).train()
     select_trainable(model, trainable)

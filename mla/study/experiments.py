@@ -252,8 +252,9 @@ def teacher_errors(config: dict) -> list[tuple[str, str]]:
         exp = config["experiments"][v.experiment]
         own = (exp.get("overrides") or {}).get("baseline") or {} if v.is_baseline else {}
         if (own.get("distill") or {}).get("weight", 0) > 0 and own["distill"].get("teacher", v.model) == v.model:
-            errors.append((f"experiments.{v.experiment}.overrides.baseline.distill", "the baseline would distil "
-                           "from itself (its own start model): remove it, baselines train on the cross-entropy only"))
+            errors.append((f"experiments.{v.experiment}.overrides.baseline.distill",
+                           ("the baseline would distil from itself (its own start model): remove it, baselines "
+                            "train on the cross-entropy only")))
         teacher = (v.train.get("distill") or {}).get("teacher")
         if teacher is None:
             continue
@@ -261,9 +262,9 @@ def teacher_errors(config: dict) -> list[tuple[str, str]]:
         if teacher not in models:
             errors.append((key, f"'{teacher}' is not a key of models"))
         elif root_model(config, teacher) != root_model(config, v.model):
-            errors.append((key, f"teacher '{teacher}' reads the tokenizer of '{root_model(config, teacher)}', the "
-                           f"student '{v.model}' that of '{root_model(config, v.model)}': distillation compares "
-                           "next-token distributions over one vocabulary"))
+            errors.append((key, (f"teacher '{teacher}' reads the tokenizer of '{root_model(config, teacher)}', "
+                                 f"the student '{v.model}' that of '{root_model(config, v.model)}': distillation "
+                                 "compares next-token distributions over one vocabulary")))
     return list(dict.fromkeys(errors))
 
 
