@@ -225,6 +225,64 @@ def test_plan_cli_bad_input(args, message):
     assert r.returncode == 2 and message in r.stderr and r.stderr.startswith("mla plan: error:")
 
 
+def test_distillation_and_attention_only_by_hand():
+    """Llama-2-7B, bf16, ZeRO-2 on 8 GPUs, 1 x 2048 tokens, attention only, distilled from itself, by hand:
+    P = 6,738,415,616; attention 32 layers x 4 x 4096² = 2,147,483,648 = P_t; teacher 2P bytes; the loss's
+    backward gains the teacher's logits, the student's logits kept by the KL and its gradient (3 x 2 x 2048 x 32000
+    bytes) and 6 fp32 chunks of 131 tokens x 32000 (131 = 2^22 // 32000)."""
+    config = shapes.read_config("llama-2-7b")
+    P, Pt = 6_738_415_616, 2_147_483_648
+    common = dict(nproc=8, micro_batch=1, seq=2048, zero_stage=2, gradient_checkpointing=False)
+    plain = memory.plan_training(config, **common)
+    plan = memory.plan_training(config, **common, trainable="attention", teacher_params=memory.teacher_parameters(config))
+    assert (plan["model"]["trainable_parameters"], plan["model"]["teacher_parameters"]) == (Pt, P)
+    assert (plan["params_bytes"], plan["gradients_bytes"], plan["optimizer_bytes"]) == (2 * P, 6 * Pt // 8, 12 * Pt // 8)
+    assert plan["teacher_bytes"] == 2 * P
+    bsv = 2048 * 32000
+    extra = plan["breakdown"]["activations"]["distillation"]
+    assert extra == {"teacher_logits": 2 * bsv, "kl_chunks": 6 * 4 * 131 * 32000,
+                     "loss_forward": 2 * bsv + 6 * 4 * 131 * 32000, "loss_backward": 3 * 2 * bsv + 6 * 4 * 131 * 32000}
+    before, after = plain["breakdown"]["activations"]["candidates"], plan["breakdown"]["activations"]["candidates"]
+    assert after["loss_backward"] - before["loss_backward"] == 393_216_000 + 100_608_000
+    assert after["layer_backward"] == before["layer_backward"]   # the KL's tensors are gone by then
+    assert plan["total_bytes"] == (plan["params_bytes"] + plan["gradients_bytes"] + plan["optimizer_bytes"]
+                                   + plan["teacher_bytes"] + plan["activations_bytes"] + plan["buffers_bytes"])
+    # offloaded: the host holds 16 bytes per trainable parameter; ZeRO-3 partitions every parameter, trains P_t
+    off = memory.plan_training(config, **dict(common, zero_stage=1), offload=True, trainable="attention")
+    assert off["gradients_bytes"] == 2 * Pt and off["breakdown"]["host_bytes_per_node"] == 16 * Pt
+    z3 = memory.plan_training(config, **dict(common, zero_stage=3), trainable="attention")
+    assert z3["params_bytes"] == 2 * P // 8 + 2 * memory.largest_module_params(shapes.shape_of(config))
+    assert z3["optimizer_bytes"] == 12 * Pt // 8
+
+
+@pytest.mark.parametrize("tie,mla", [(True, False), (False, True)])
+def test_trainable_attention_parameters_equal_the_built_model(tie, mla):
+    from mla.conversion.convert import convert_model
+    from mla.tiny_models import tiny_llama
+    from mla.training.trainable import select_trainable
+
+    model = tiny_llama(num_kv_heads=2, tie_word_embeddings=tie)
+    latent = None
+    if mla:
+        model, _ = convert_model(model, d_kv=12, r=2, strategy="high", svd="joint")
+        latent = memory.Latent(12, 2)
+    s = shapes.shape_of(model.config.to_dict())
+    counted = select_trainable(model, "attention")
+    assert memory.trainable_params(s, latent, tie, "attention") == counted["trainable_parameters"]
+    assert memory.total_params(s, latent, tie) == counted["parameters"]
+
+
+def test_plan_cli_counts_a_teacher(tmp_path):
+    base = ["--base", "smollm-135m", "--train", "--nproc", "1", "--micro-batch", "4", "--seq", "128"]
+    plain, own, other = (json.loads(_cli(*base, *extra).stdout) for extra in
+                         ([], ["--teacher"], ["--teacher", "llama-3.2-1b", "--trainable", "attention"]))
+    assert plain["teacher_bytes"] == 0 and own["teacher_bytes"] == 2 * own["model"]["parameters"]
+    assert other["teacher_bytes"] == 2 * memory.teacher_parameters(shapes.read_config("llama-3.2-1b"))
+    assert other["model"]["trainable_parameters"] == 30 * (2 * 576 * 576 + 2 * 576 * 192)   # q, o; k, v (3 heads)
+    r = _cli("--base", "smollm-135m", "--trainable", "attention")
+    assert r.returncode == 2 and "--trainable plans a training job: add --train" in r.stderr
+
+
 def test_parse_memory():
     assert memory.parse_memory("80GB") == 80 * 10**9 == memory.parse_memory(80)
     assert memory.parse_memory("80 GiB") == 80 * 2**30

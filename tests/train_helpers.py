@@ -53,16 +53,22 @@ def read_rows(path: Path) -> list[dict]:
 def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
                  clip: float = 1.0, weight_decay: float = TrainConfig.weight_decay, seed: int = TrainConfig.seed,
                  model_dir: str = "mla",
-                 groups: bool = True, return_model: bool = False):
+                 groups: bool = True, return_model: bool = False, distill: tuple | None = None,
+                 trainable: str = "all"):
     """The reference: one process, the whole global batch per step, same data order, AdamW (with the
-    recipe's parameter groups unless groups=False: then decay on everything) and schedule."""
+    recipe's parameter groups unless groups=False: then decay on everything) and schedule.
+    distill=(teacher folder, weight, T): the loss CE + weight·T²·KL, the KL written directly (torch's kl_div
+    over every predicted token); the losses are then (ce, kl) pairs. trainable: as `mla train --trainable`."""
     from mla.checkpoint import load_model
     from mla.data import open_blocks
     from mla.training.optimizer import parameter_groups
     from mla.training.schedule import warmup_constant_sqrt_decay
+    from mla.training.trainable import select_trainable
     from mla.training.trainer import BlockDataset
 
     model = load_model(root / model_dir).train()
+    select_trainable(model, trainable)
+    teacher = load_model(distill[0]).eval() if distill else None
     data = BlockDataset(open_blocks(root / "data"), steps * global_batch, seed=seed)
     params = parameter_groups(model, weight_decay) if groups else model.parameters()
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
@@ -70,14 +76,24 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
     losses = []
     for step in range(steps):
         ids = torch.stack([data[i]["input_ids"] for i in range(step * global_batch, (step + 1) * global_batch)])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        out = model(input_ids=ids, labels=ids)
+        loss = out.loss
+        if teacher is not None:
+            _, weight, t = distill
+            with torch.no_grad():
+                target = torch.log_softmax(teacher(input_ids=ids).logits[:, :-1] / t, -1)
+            student = torch.log_softmax(out.logits[:, :-1] / t, -1)
+            kl = torch.nn.functional.kl_div(student, target, log_target=True, reduction="sum") / target[..., 0].numel()
+            (loss + weight * t * t * kl).backward()
+            loss = (loss, kl)
+        else:
+            loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(tuple(x.item() for x in loss) if teacher is not None else loss.item())
     return (losses, model) if return_model else losses
 
 

@@ -46,6 +46,11 @@ def add_arguments(p):
     g.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
                    help="attention kernel (default sdpa: no s x s matrix kept)")
     g.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GB, 141GB, 80GiB: adds usable_bytes and fits")
+    g.add_argument("--teacher", nargs="?", const="", metavar="CONFIG",
+                   help="with distillation: a whole teacher per GPU and its logits; without a value the unconverted "
+                        "--base model (the workflow's default teacher), else its config.json, folder or named shape")
+    g.add_argument("--trainable", default="all", choices=["all", "attention"],
+                   help="gradients and optimizer states for every parameter (default) or the attention modules' only")
 
 
 def run(args):
@@ -57,9 +62,11 @@ def run(args):
     config = shapes.read_config(args.base)
     if args.train:
         return _run_train(args, config)
-    for flag in ("nproc", "micro_batch", "seq", "gpu_memory"):
+    for flag in ("nproc", "micro_batch", "seq", "gpu_memory", "teacher"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')} plans a training job: add --train")
+    if args.trainable != "all":
+        raise UserError("--trainable plans a training job: add --train")
 
     from mla.conversion import layout as layouts
 
@@ -127,10 +134,16 @@ def _run_train(args, config) -> int:
         r, _ = convert.resolve_options(config, d_kv, r, "high", args.svd)
     elif r is not None:
         raise UserError("--r needs --d-kv (it plans the converted model)")
+    teacher_params = None
+    if args.teacher is not None:
+        from mla.conversion import shapes
+        from mla.training.memory import teacher_parameters
+
+        teacher_params = teacher_parameters(shapes.read_config(args.teacher) if args.teacher else config)
     plan = plan_training(config, nproc=args.nproc, nodes=args.nodes, micro_batch=args.micro_batch, seq=args.seq,
                          zero_stage=args.zero_stage, gradient_checkpointing=args.gradient_checkpointing,
                          offload=args.offload, precision=args.precision, d_kv=d_kv, r=r, svd=args.svd,
-                         attention=args.attention,
+                         attention=args.attention, trainable=args.trainable, teacher_params=teacher_params,
                          gpu_memory_bytes=parse_memory(args.gpu_memory) if args.gpu_memory else None)
     print(json.dumps(plan, indent=2))
     return 0

@@ -40,6 +40,7 @@ def load_schema() -> dict:
     )
     from mla.study.tracking import DEFAULT_TRACKING_URI
     from mla.training.config import TrainConfig
+    from mla.training.trainable import TRAINABLE
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     props = schema["properties"]
@@ -51,6 +52,7 @@ def load_schema() -> dict:
     props["models"]["additionalProperties"]["properties"]["source"]["enum"] = list(MODEL_SOURCES)
     for key in ("weight_decay", "seed"):
         props["train"]["properties"][key]["default"] = getattr(TrainConfig, key)
+    schema["$defs"]["trainable"]["enum"] = list(TRAINABLE)
     props["mlflow"]["properties"]["experiment"]["default"] = TrainConfig.experiment
     props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
     for key, value in FIT_DEFAULTS.items():
@@ -126,6 +128,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     errors += experiments.variant_errors(cfg)
     if errors:
         return errors
+    errors += experiments.teacher_errors(cfg)
     for v in experiments.all_variants(cfg):
         exp = cfg["experiments"][v.experiment]
         where = (f"experiments.{v.experiment}.overrides.{v.name}" if v.name in exp["overrides"]

@@ -40,8 +40,8 @@ RESERVED_NAMES = ("original", "baseline")
 LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
                "save_steps", "device", "gpu_memory_gb")
 VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "svd", "whiten", "latent", "kv_width", "rope_share", "steps", "lr",
-                "label", "paper", "fit")
-RUN_SETTINGS = ("steps", "lr")              # per-variant changes to the training recipe
+                "distill", "trainable", "label", "paper", "fit")
+RUN_SETTINGS = ("steps", "lr", "distill", "trainable")    # per-variant changes to the training recipe
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,27 @@ def root_model(config: dict, model: str) -> str:
 
 
 def train_settings(config: dict, experiment: str, settings: dict) -> dict:
-    """Global train recipe < experiment's `train` < the variant's own steps/lr."""
+    """Global train recipe < experiment's `train` < the variant's own steps/lr/distill/trainable."""
     exp = config["experiments"][experiment]
-    return dict(config["train"], **exp.get("train", {}), **{k: settings[k] for k in RUN_SETTINGS if k in settings})
+    train = dict(config["train"], **exp.get("train", {}), **{k: settings[k] for k in RUN_SETTINGS if k in settings})
+    return distill_and_trainable(train, exp["model"])
+
+
+def distill_and_trainable(train: dict, model: str) -> dict:
+    """`distill` and `trainable` as the recipe key hashes them: absent when off (no distillation, or weight 0;
+    every parameter trains), so a recipe without them keeps its key; else distill in full, the teacher named (the
+    experiment's model unless given) and the numbers as floats (weight 1 and 1.0 are one recipe)."""
+    from mla.training.config import TrainConfig
+
+    train = dict(train)
+    distill = train.pop("distill", None) or {}
+    if distill.get("weight", 0) > 0:
+        train["distill"] = {"weight": float(distill["weight"]),
+                            "temperature": float(distill.get("temperature", TrainConfig.distill_temperature)),
+                            "teacher": distill.get("teacher", model)}
+    if train.get("trainable", "all") == "all":
+        train.pop("trainable", None)
+    return train
 
 
 def declared_settings(experiment: dict) -> dict[str, dict]:
@@ -243,9 +261,14 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
             fit=fit_settings(s["fit"])))
     if exp.get("baseline", True):
         own = (exp.get("overrides") or {}).get("baseline", {})
+        train = train_settings(config, experiment, own)
+        if train.get("distill", {}).get("teacher") == exp["model"]:
+            # the unconverted model distilled from itself: no signal, only a pull back to where it starts; the
+            # baseline stays the plain-CE run (docs/distillation.md)
+            train.pop("distill")
         out.append(Variant(experiment=experiment, name="baseline", label=own.get("label", kind), model=exp["model"],
                            kind=kind, d_kv=None, r=None, rope_strategy=None, svd=None, whiten=False,
-                           train=train_settings(config, experiment, own), paper=own.get("paper", "baseline")))
+                           train=train, paper=own.get("paper", "baseline")))
     return out
 
 
@@ -306,6 +329,43 @@ def _budget_conflict(own: dict, svd: str) -> tuple[str, str] | None:
         return "kv_width", (f"kv_width={own['kv_width']} sets the latent's width, but svd none keeps K/V at full "
                             "rank; give r (and no kv_width) with svd none")
     return None
+
+
+def teacher_errors(config: dict) -> list[tuple[str, str]]:
+    """(config key, message) for distillation teachers that are no model, or read another tokenizer than the
+    student (another root model: the data and the KL need one vocabulary); and a baseline asked explicitly to
+    distil from itself."""
+    models, errors = config["models"], []
+    for v in all_variants(config):
+        exp = config["experiments"][v.experiment]
+        own = (exp.get("overrides") or {}).get("baseline") or {} if v.is_baseline else {}
+        if (own.get("distill") or {}).get("weight", 0) > 0 and own["distill"].get("teacher", v.model) == v.model:
+            errors.append((f"experiments.{v.experiment}.overrides.baseline.distill",
+                           ("the baseline would distil from itself (its own start model): remove it, baselines "
+                            "train on the cross-entropy only")))
+        teacher = (v.train.get("distill") or {}).get("teacher")
+        if teacher is None:
+            continue
+        key = _distill_key(config, v)
+        if teacher not in models:
+            errors.append((key, f"'{teacher}' is not a key of models"))
+        elif root_model(config, teacher) != root_model(config, v.model):
+            errors.append((key, (f"teacher '{teacher}' reads the tokenizer of '{root_model(config, teacher)}', "
+                                 f"the student '{v.model}' that of '{root_model(config, v.model)}': distillation "
+                                 "compares next-token distributions over one vocabulary")))
+    return list(dict.fromkeys(errors))
+
+
+def _distill_key(config: dict, v: Variant) -> str:
+    """The config key that gave a variant its `distill` block: its override, its own settings, the experiment's
+    `train` or the global `train`."""
+    exp = config["experiments"][v.experiment]
+    for kind in ("overrides", "variants"):
+        if "distill" in ((exp.get(kind) or {}).get(v.name) or {}):
+            return f"experiments.{v.experiment}.{kind}.{v.name}.distill.teacher"
+    if "distill" in exp.get("train", {}):
+        return f"experiments.{v.experiment}.train.distill.teacher"
+    return "train.distill.teacher"
 
 
 # ---------------------------------------------------------------- the jobs

@@ -51,6 +51,15 @@ class TrainConfig:
     precision: str = option("auto", "auto | bf16 | fp32; auto: bf16 on CUDA with bf16, else fp32")
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass (same losses, "
                                           "less memory)")
+    # distillation and trainable parameters (docs/distillation.md)
+    distill_weight: float = option(0.0, "weight of the KL to the teacher's next-token distribution beside the "
+                                   "cross-entropy, 0 = off (the teacher is then not loaded)")
+    distill_temperature: float = option(1.0, "softmax temperature T of the distillation: loss = CE + weight x T^2 "
+                                        "x KL(teacher_T || student_T)")
+    teacher: str = option("", "teacher checkpoint for --distill-weight > 0 (the unconverted source model; same "
+                          "tokenizer as the student)", metavar="DIR")
+    trainable: str = option("all", "all | attention: train every parameter, or only the attention modules' "
+                            "(self_attn.*; the rest stays bit-identical)")
     # DeepSpeed and processes
     zero_stage: int = option(0, "ZeRO stage 0 | 1 | 2 | 3")
     offload: bool = option(False, "offload the optimizer state to CPU (ZeRO 1-3)")
@@ -174,6 +183,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError("save_steps and log_steps must be > 0")
     if cfg.clip < 0 or cfg.weight_decay < 0:
         raise UserError("clip and weight decay must be >= 0")
+    _check_distillation(cfg)
     if cfg.deepspeed:
         _check_deepspeed_override(Path(cfg.deepspeed))
     if not isinstance(cfg.tags, list) or not all(isinstance(t, str) and "=" in t for t in cfg.tags):
@@ -194,6 +204,12 @@ def workflow_options(train: dict) -> dict:
     reads (gpu_memory_gb) are left out."""
     given = {WORKFLOW_NAMES.get(k, k): v for k, v in train.items()}
     given["device"] = "cuda" if train["device"] == "gpu" else "cpu"
+    distill = given.pop("distill", None) or {}
+    if distill.get("weight", 0) > 0:  # `distill: {weight, temperature, teacher}`, the teacher a model key
+        from mla.study.experiments import model_dir
+
+        given.update(distill_weight=distill["weight"], teacher=model_dir(distill["teacher"]) if "teacher" in distill
+                     else "", **({"distill_temperature": distill["temperature"]} if "temperature" in distill else {}))
     # in TrainConfig's order, whatever the block's: the flags are a rule's params, and Snakemake reruns a job
     # whose params text changed
     return {name: given[name] for name in TrainConfig.field_names() if name in given}
@@ -209,6 +225,19 @@ def workflow_train_error(train: dict) -> str | None:
     except UserError as exc:
         return str(exc)
     return None
+
+
+def _check_distillation(cfg: TrainConfig) -> None:
+    from mla.training.trainable import TRAINABLE
+
+    if not cfg.distill_weight >= 0:
+        raise UserError(f"--distill-weight (train.distill.weight) must be >= 0, got {cfg.distill_weight}")
+    if not cfg.distill_temperature > 0:
+        raise UserError(f"--distill-temperature (train.distill.temperature) must be > 0, got {cfg.distill_temperature}")
+    if cfg.distill_weight > 0 and not cfg.teacher:
+        raise UserError(f"--distill-weight {cfg.distill_weight} needs --teacher DIR (the unconverted source model)")
+    if cfg.trainable not in TRAINABLE:
+        raise UserError(f"--trainable (train.trainable) must be one of {', '.join(TRAINABLE)}, got {cfg.trainable!r}")
 
 
 def _check_deepspeed_override(path: Path) -> None:
@@ -242,7 +271,36 @@ def check_inputs(cfg: TrainConfig) -> dict:
     if max_pos is not None and manifest["block_length"] > max_pos:
         raise UserError(f"block length {manifest['block_length']} exceeds the model's "
                         f"max_position_embeddings {max_pos}")
+    if cfg.distill_weight > 0:
+        _check_teacher(cfg, model_config)
     return manifest
+
+
+def _check_teacher(cfg: TrainConfig, model_config: dict) -> None:
+    """The teacher exists and predicts over the student's vocabulary: same size and, where both folders carry a
+    tokenizer.json, the same tokens (the KL compares the two next-token distributions entry by entry)."""
+    from mla.checkpoint import require_checkpoint
+
+    try:
+        require_checkpoint(cfg.teacher)
+    except UserError as exc:
+        raise UserError(f"--teacher {cfg.teacher}: {exc}") from None
+    teacher_vocab = json.loads((Path(cfg.teacher) / "config.json").read_text()).get("vocab_size")
+    if teacher_vocab != model_config.get("vocab_size"):
+        raise UserError(f"--teacher {cfg.teacher}: its vocabulary has {teacher_vocab} tokens, the student's "
+                        f"{model_config.get('vocab_size')}; distillation needs the student's tokenizer (its source "
+                        "model)")
+    files = [Path(cfg.teacher) / "tokenizer.json", Path(cfg.model) / "tokenizer.json"]
+    if all(f.is_file() for f in files):
+        teacher_tokens, student_tokens = (_tokenizer_tokens(f) for f in files)
+        if teacher_tokens != student_tokens:
+            raise UserError(f"--teacher {cfg.teacher}: its tokenizer.json maps other tokens than the student's "
+                            f"({cfg.model}); distillation needs the student's tokenizer (its source model)")
+
+
+def _tokenizer_tokens(path: Path):
+    doc = json.loads(path.read_text())
+    return doc.get("model", {}).get("vocab"), [t.get("content") for t in doc.get("added_tokens", [])]
 
 
 def use_cuda(cfg: TrainConfig) -> bool:

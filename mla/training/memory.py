@@ -52,6 +52,21 @@ gradients in flight), whichever is larger. With gradient checkpointing each laye
 during the backward one layer is recomputed (its saved tensors) plus its backward's gradients. The logits
 (12·bsV at the loss) are often the largest single term: 19 GB for SmolLM at 16 x 2048 tokens.
 
+Distillation (`teacher_params`, docs/distillation.md): the teacher is a whole copy on every GPU in the training
+dtype (w·P_teacher, never partitioned), and its logits (w·bsV) live from before the student's forward until the
+KL's backward. The KL keeps the student's logits (w·bsV) for its backward, writes their gradient (w·bsV) and works
+in fp32 chunks of at most `kl_chunks.KL_CHUNK_ELEMENTS` logits (KL_CHUNK_TEMPORARIES such chunks at once):
+
+    loss forward    + w·bsV (teacher logits) + chunk temporaries
+    loss backward   + 3·w·bsV (teacher logits, student logits, KL gradient) + chunk temporaries
+
+The teacher's own forward runs under no_grad before the student's, when nothing of the student is held: its
+peak (its logits and one layer's temporaries) is below the student's and is not a candidate.
+
+Attention-only training (`trainable="attention"`): gradients and optimizer states are counted for the attention
+parameters only (P_t = P minus embeddings, output head, MLPs and norms), parameters for all P; the activations
+are counted as for full training (the backward still runs through every layer), an upper bound.
+
 `fits` compares the total with the GPU's memory less 10 % kept for the CUDA context, NCCL buffers and
 allocator fragmentation, which no plan counts.
 """
@@ -106,6 +121,26 @@ def total_params(s: shapes.Shape, latent: Latent | None = None, tied: bool = Fal
     return body + (0 if tied else s.vocab * s.hidden)
 
 
+def non_attention_params(s: shapes.Shape, tied: bool = False) -> int:
+    """Embeddings, output head (when untied), MLPs and norms: what `--trainable attention` freezes (the same for
+    the original and every MLA layout, which differ in attention only)."""
+    mb = int(s.mlp_bias)
+    mlp = 3 * s.hidden * s.intermediate + mb * (2 * s.intermediate + s.hidden)
+    return s.vocab * s.hidden * (1 if tied else 2) + s.layers * (mlp + 2 * s.hidden) + s.hidden
+
+
+def trainable_params(s: shapes.Shape, latent: Latent | None = None, tied: bool = False,
+                     trainable: str = "all") -> int:
+    """Parameters that get gradients and optimizer states: all, or the attention modules' only."""
+    P = total_params(s, latent, tied)
+    return P if trainable == "all" else P - non_attention_params(s, tied)
+
+
+def teacher_parameters(config: dict) -> int:
+    """Parameters of an unconverted teacher model (output head included, a tied head once)."""
+    return total_params(shapes.shape_of(config), None, bool(config.get("tie_word_embeddings", False)))
+
+
 def largest_module_params(s: shapes.Shape, latent: Latent | None = None) -> int:
     """Parameters of the largest single module (DeepSpeed's `largest_layer_params`)."""
     ab, mb = int(s.qkv_bias), int(s.mlp_bias)
@@ -122,19 +157,21 @@ def largest_module_params(s: shapes.Shape, latent: Latent | None = None) -> int:
 
 
 def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_stage: int, offload: bool,
-                 precision: str) -> dict:
-    """Per-GPU bytes of params, gradients and optimizer states (see the module docstring's table)."""
+                 precision: str, trainable: int | None = None) -> dict:
+    """Per-GPU bytes of params, gradients and optimizer states (see the module docstring's table); gradients and
+    optimizer states count the `trainable` parameters only (default all P)."""
     n = gpus_per_node * nodes
     w = _word_bytes(precision)
-    master_adam = (4 + ADAM_STATE_BYTES) * P          # fp32 master weights + Adam m and v
+    Pt = P if trainable is None else trainable
+    master_adam = (4 + ADAM_STATE_BYTES) * Pt          # fp32 master weights + Adam m and v
     if zero_stage == 0:
         if offload:
             raise UserError("optimizer offload needs ZeRO stage 1, 2 or 3 (train.zero_stage / --zero-stage)")
         if w == 4:   # plain fp32 optimizer: no master copy, no second gradient copy
-            return {"params": 4 * P, "gradients": 4 * P, "optimizer": ADAM_STATE_BYTES * P}
-        return {"params": 2 * P, "gradients": 2 * P + 4 * P, "optimizer": master_adam}
+            return {"params": 4 * P, "gradients": 4 * Pt, "optimizer": ADAM_STATE_BYTES * Pt}
+        return {"params": 2 * P, "gradients": 2 * Pt + 4 * Pt, "optimizer": master_adam}
     # what DeepSpeed's estimators count as int(18P/N) in bf16: w-byte gradients + fp32 gradients + master + Adam
-    partitioned = (w + 4) * P + master_adam
+    partitioned = (w + 4) * Pt + master_adam
     optimizer = master_adam // n
     if zero_stage == 3:
         gathered = 2 * largest      # DeepSpeed's 4L: the gathered layer's 16-bit params and gradients
@@ -142,18 +179,29 @@ def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_s
         if offload:                 # DeepSpeed: 4L + int(2P/N)
             return {"params": params, "gradients": gathered, "optimizer": 0}
         # DeepSpeed: 4L + int(18P/N), the param partition included (the fp32 gradients exist only in the step)
-        return {"params": params, "gradients": partitioned // n - w * P // n - optimizer + gathered,
+        return {"params": params, "gradients": partitioned // n - w * Pt // n - optimizer + gathered,
                 "optimizer": optimizer}
     if offload:   # stages 1, 2: fp32 gradients, master weights and Adam states live on the CPU
-        return {"params": w * P, "gradients": w * P if zero_stage == 1 else 0, "optimizer": 0}
+        return {"params": w * P, "gradients": w * Pt if zero_stage == 1 else 0, "optimizer": 0}
     if zero_stage == 1:   # the whole w-byte gradient until the accumulation boundary
-        return {"params": w * P, "gradients": w * P + 4 * P // n, "optimizer": optimizer}
+        return {"params": w * P, "gradients": w * Pt + 4 * Pt // n, "optimizer": optimizer}
     return {"params": w * P, "gradients": partitioned // n - optimizer, "optimizer": optimizer}
 
 
 def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, offload: bool) -> int:
-    """CPU memory per node for the offloaded optimizer (fp32 gradient partition, master, Adam): 16P/N per rank."""
+    """CPU memory per node for the offloaded optimizer (fp32 gradient partition, master, Adam): 16P/N per rank,
+    P the trainable parameters."""
     return 16 * P // (gpus_per_node * nodes) * gpus_per_node if offload else 0
+
+
+def distill_activation_bytes(s: shapes.Shape, *, micro_batch: int, seq: int, precision: str) -> dict:
+    """What distillation adds to the loss's forward and backward peaks (module docstring)."""
+    from mla.training.kl_chunks import KL_CHUNK_TEMPORARIES, chunk_rows
+
+    w, bsv = _word_bytes(precision), micro_batch * seq * s.vocab
+    chunk = KL_CHUNK_TEMPORARIES * 4 * min(micro_batch * seq, chunk_rows(s.vocab)) * s.vocab
+    return {"teacher_logits": w * bsv, "kl_chunks": chunk, "loss_forward": w * bsv + chunk,
+            "loss_backward": 3 * w * bsv + chunk}
 
 
 def buffer_bytes(*, zero_stage: int, precision: str, overlap_comm: bool = True) -> int:
@@ -188,7 +236,7 @@ def layer_saved_bytes(s: shapes.Shape, *, b: int, seq: int, w: int, latent: Late
 
 
 def activation_plan(s: shapes.Shape, *, micro_batch: int, seq: int, precision: str, gradient_checkpointing: bool,
-                    latent: Latent | None = None, attention: str = "sdpa") -> dict:
+                    latent: Latent | None = None, attention: str = "sdpa", distill: bool = False) -> dict:
     """Peak activation bytes of one forward + backward of one micro-batch, with the terms it is built from."""
     b, w = micro_batch, _word_bytes(precision)
     bs, bsh, bsv, bsi = b * seq, b * seq * s.hidden, b * seq * s.vocab, b * seq * s.intermediate
@@ -206,6 +254,10 @@ def activation_plan(s: shapes.Shape, *, micro_batch: int, seq: int, precision: s
     # the last layer's MLP backward: gradients of the product, SiLU output and up in flight, and of the layer
     layer_backward = 2 * w * bsi + w * bsh
     layer_peak = kept + rope + (layer["total"] if gradient_checkpointing else 0) + layer_backward
+    extra = distill_activation_bytes(s, micro_batch=b, seq=seq, precision=precision) if distill else None
+    if extra:
+        loss_peak += extra["loss_backward"]
+        forward_peak += extra["loss_forward"]
     candidates = {"loss_backward": loss_peak, "loss_forward": forward_peak, "layer_backward": layer_peak}
     where = max(candidates, key=candidates.get)
     return {
@@ -213,6 +265,7 @@ def activation_plan(s: shapes.Shape, *, micro_batch: int, seq: int, precision: s
         "per_layer_saved": layer, "layers_kept": kept,
         "kept_per_layer": w * bsh if gradient_checkpointing else layer["total"],
         "final_norm": final_norm, "rope_tables": rope, "log_softmax": log_softmax, "logits_fp32": 4 * bsv,
+        "distillation": extra,
     }
 
 
@@ -244,16 +297,23 @@ def _check_choice(value, name: str, choices: tuple[str, ...]) -> None:
 def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch: int, seq: int, zero_stage: int,
                   gradient_checkpointing: bool, offload: bool = False, precision: str = "bf16",
                   d_kv: int | None = None, r: int | None = None, gpu_memory_bytes: int | None = None,
-                  svd: str = DEFAULT_SVD, attention: str = "sdpa", overlap_comm: bool = True) -> dict:
+                  svd: str = DEFAULT_SVD, attention: str = "sdpa", overlap_comm: bool = True,
+                  trainable: str = "all", teacher_params: int | None = None) -> dict:
     """Per-GPU memory of one training job of the model `config_dict` (a config.json), as a JSON-ready dict.
 
-    `overlap_comm` (DeepSpeed's, on for GPUs in our config) doubles the ZeRO-1/2 reduction buckets."""
+    `overlap_comm` (DeepSpeed's, on for GPUs in our config) doubles the ZeRO-1/2 reduction buckets.
+    `trainable` "attention" counts gradients and optimizer states of the attention parameters only;
+    `teacher_params` (distillation: the teacher's parameter count, `teacher_parameters`) adds the teacher's
+    weights and the distillation's activations (module docstring)."""
     for value, name in ((nproc, "nproc"), (nodes, "nodes"), (micro_batch, "micro_batch"), (seq, "seq")):
         _check(value, name)
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     _check_choice(precision, "precision", PRECISIONS)
     _check_choice(attention, "attention", ATTENTIONS)
+    _check_choice(trainable, "trainable", ("all", "attention"))
+    if teacher_params is not None:
+        _check(teacher_params, "teacher_params")
     s = shapes.shape_of(config_dict)
     tied = bool(config_dict.get("tie_word_embeddings", False))
     latent = None
@@ -268,22 +328,26 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
         raise UserError("--r needs --d-kv (it plans the converted model)")
 
     P = total_params(s, latent, tied)
+    P_trainable = trainable_params(s, latent, tied, trainable)
     largest = largest_module_params(s, latent)
     states = model_states(P, largest, gpus_per_node=nproc, nodes=nodes, zero_stage=zero_stage, offload=offload,
-                          precision=precision)
+                          precision=precision, trainable=P_trainable)
     acts = activation_plan(s, micro_batch=micro_batch, seq=seq, precision=precision,
-                           gradient_checkpointing=gradient_checkpointing, latent=latent, attention=attention)
+                           gradient_checkpointing=gradient_checkpointing, latent=latent, attention=attention,
+                           distill=teacher_params is not None)
     buffers = buffer_bytes(zero_stage=zero_stage, precision=precision, overlap_comm=overlap_comm)
+    teacher = _word_bytes(precision) * teacher_params if teacher_params is not None else 0
     model_state_bytes = sum(states.values())
-    total = model_state_bytes + acts["peak_bytes"] + buffers
-    parts = {**states, "activations": acts["peak_bytes"], "buffers": buffers, "total": total}
+    total = model_state_bytes + teacher + acts["peak_bytes"] + buffers
+    parts = {**states, "teacher": teacher, "activations": acts["peak_bytes"], "buffers": buffers, "total": total}
     usable = None if gpu_memory_bytes is None else int(gpu_memory_bytes * (1 - HEADROOM_FRACTION))
     return {
         **{f"{k}_bytes": v for k, v in parts.items()},
         "fits": None if usable is None else total <= usable,
         "gpu_memory_bytes": gpu_memory_bytes, "usable_bytes": usable,
         "gb": {k: round(v / GB, 2) for k, v in parts.items()},
-        "model": {"parameters": P, "largest_module_parameters": largest, "tied_embeddings": tied,
+        "model": {"parameters": P, "trainable_parameters": P_trainable, "teacher_parameters": teacher_params,
+                  "largest_module_parameters": largest, "tied_embeddings": tied,
                   "layers": s.layers, "hidden": s.hidden, "intermediate": s.intermediate, "vocab": s.vocab,
                   "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
                   "mla": None if latent is None else {"d_kv": latent.d_kv, "r": latent.r, "svd": svd,
@@ -291,9 +355,9 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
         "settings": {"nproc": nproc, "nodes": nodes, "world_size": nproc * nodes, "micro_batch": micro_batch,
                      "seq": seq, "zero_stage": zero_stage, "offload": offload, "precision": precision,
                      "gradient_checkpointing": gradient_checkpointing, "attention": attention,
-                     "overlap_comm": overlap_comm},
+                     "overlap_comm": overlap_comm, "trainable": trainable, "teacher_params": teacher_params},
         "breakdown": {"model_states_bytes": model_state_bytes, "activations": acts,
-                      "host_bytes_per_node": host_bytes_per_node(P, gpus_per_node=nproc, nodes=nodes,
+                      "host_bytes_per_node": host_bytes_per_node(P_trainable, gpus_per_node=nproc, nodes=nodes,
                                                                  offload=offload)},
         "assumptions": ASSUMPTIONS,
     }
@@ -346,7 +410,8 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
     return None
 
 
-def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int) -> dict:
+def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int,
+               results: str | Path = "results") -> dict:
     """Plan of every variant of one experiment: {variant: plan}."""
     # imports torch: only GPU configs get here, not every Snakefile parse
     from mla.conversion.convert import full_rank_d_kv
@@ -358,8 +423,9 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
                   gpu_memory_bytes=gpu_bytes)
     plans = {}
     for v in experiments.experiment_variants(config, ename):
+        own = dict(common, trainable=v.train.get("trainable", "all"), teacher_params=_teacher_params(config, v, results))
         if v.is_baseline:
-            plans[v.name] = plan_training(cfg_model, **common)
+            plans[v.name] = plan_training(cfg_model, **own)
             continue
         if v.kv_width is not None or v.rope_strategy == "rotated":
             # planned as the per-head layout of the same cache width, rounded up: the shared RoPE key's wider
@@ -372,14 +438,25 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
             continue
         r = shapes.default_r(s.head_dim) if v.r is None else v.r
         d_kv = v.d_kv if v.svd != "none" else full_rank_d_kv(cfg_model, r)
-        plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **common)
+        plans[v.name] = plan_training(cfg_model, d_kv=d_kv, r=r, svd=v.svd, **own)
     return plans
+
+
+def _teacher_params(config: dict, variant, results: str | Path) -> int | None:
+    """The distillation teacher's parameter count of a variant's run (None: no distillation); a teacher whose
+    config is not at hand is counted as the source model (the same tokenizer, so usually the same family)."""
+    distill = variant.train.get("distill")
+    if not distill:
+        return None
+    teacher = model_config(config, distill["teacher"], results) or model_config(config, variant.model, results)
+    return teacher_parameters(teacher) if teacher else None
 
 
 def _describe(p: dict) -> str:
     g = p["gb"]
+    teacher = f" + teacher {g['teacher']}" if g["teacher"] else ""
     return (f"{g['total']} GB per GPU (params {g['params']} + gradients {g['gradients']} + optimizer "
-            f"{g['optimizer']} + activations {g['activations']} + buffers {g['buffers']} GB)")
+            f"{g['optimizer']}{teacher} + activations {g['activations']} + buffers {g['buffers']} GB)")
 
 
 def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[str, str]]:
@@ -402,7 +479,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
         root = config["models"][experiments.root_model(config, exp["model"])]
         seq = root.get("block_length", config.get("data", {}).get("block_length", 128))
         try:
-            plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb))
+            plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb), results)
         except UserError as exc:
             errors.append((f"experiments.{ename}", str(exc)))
             continue

@@ -8,6 +8,8 @@
 - the data: the train split's sha256 from the data manifest (block length and tokenizer included),
 - the recipe: steps, lr, warmup and decay steps, weight decay, clipping, AdamW betas and eps, global
   batch, seed, the resolved precision (bf16 | fp32), and the content of a --deepspeed override file,
+- distillation (weight, temperature, the teacher's sha256 as for the start model) and `--trainable`, only
+  when they are on (a run without them keeps its key),
 - KEY_VERSION, bumped when the code changes what a trajectory is (e.g. the parameter groups).
 
 Not in the key (launch settings, changeable between a crash and its resume): nproc, nodes, micro batch
@@ -67,6 +69,12 @@ def trajectory(cfg, manifest: dict, precision: str) -> dict:
            "precision": precision, **{name: getattr(cfg, name) for name in TRAJECTORY_FIELDS}}
     if cfg.deepspeed:
         doc["deepspeed_override"] = hashlib.sha256(Path(cfg.deepspeed).read_bytes()).hexdigest()
+    # distillation and attention-only training only when on, so the keys of runs without them stay as they were
+    if cfg.distill_weight > 0:
+        doc["distill"] = {"weight": cfg.distill_weight, "temperature": cfg.distill_temperature,
+                          "teacher": model_identity(cfg.teacher)}
+    if cfg.trainable != "all":
+        doc["trainable"] = cfg.trainable
     return doc
 
 

@@ -28,6 +28,9 @@ from mla.study import tracking
 from mla.training.schedule import warmup_constant_sqrt_decay
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
+# with distillation `loss` stays the next-token cross-entropy (what the figure and tables compare across runs);
+# `kl` is the per-token KL to the teacher and `total_loss` the optimised CE + weight x T^2 x KL
+DISTILL_COLUMNS = ["kl", "total_loss"]
 
 
 class TrainingDiverged(UserError):
@@ -57,10 +60,15 @@ class BlockDataset(torch.utils.data.Dataset):
 
 class MLATrainer(Trainer):
     """Trainer with the paper's schedule, sequential reading of `BlockDataset`, the recipe's AdamW
-    parameter groups (`mla.training.optimizer`) and a NaN/inf guard."""
+    parameter groups (`mla.training.optimizer`), a NaN/inf guard, and optionally distillation
+    (`mla.training.distill`: the loss CE + weight x T^2 x KL, both parts logged)."""
 
-    def __init__(self, *args, schedule: tuple[int, int, int], **kwargs):
+    def __init__(self, *args, schedule: tuple[int, int, int], distill=None, **kwargs):
         self._schedule = schedule
+        self.distill = distill
+        self._parts = None               # (ce, kl) of the last micro-batch, scaled as the Trainer scales the loss
+        self._part_sums = None           # their sums since the last log, as the Trainer's tr_loss
+        self._parts_logged_at = None     # global step of the last log
         super().__init__(*args, **kwargs)
 
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -83,7 +91,61 @@ class MLATrainer(Trainer):
         if not torch.isfinite(loss).all():
             raise TrainingDiverged(f"loss is {loss.item()} at step {self.state.global_step + 1} "
                                    f"(rank {self.args.process_index}); lower the lr or check the data")
+        if self.distill is not None:
+            self._add_parts(num_items_in_batch)
         return loss
+
+    # ------------------------------------------------------------ distillation
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Without distillation the Trainer's own (the model's cross-entropy). With it: the teacher's logits
+        first (nothing of the student is held yet), then the student's cross-entropy exactly as without, plus
+        weight x T^2 x the per-token KL over the same tokens, normalised and scaled as that cross-entropy."""
+        if self.distill is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        from mla.training.distill import token_kl
+
+        teacher_logits = self.distill.teacher_logits(inputs["input_ids"])
+        ce, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        kl = token_kl(outputs.logits, teacher_logits, inputs["labels"], self.distill.temperature, num_items_in_batch)
+        kl = kl * self._loss_scale(num_items_in_batch)
+        self._parts = (ce.detach(), kl.detach())
+        loss = self.distill.combined(ce, kl)
+        return (loss, outputs) if return_outputs else loss
+
+    def _loss_scale(self, num_items_in_batch) -> int:
+        """The factor Trainer.compute_loss (transformers 5.24) multiplies the model's loss by: the processes,
+        when the loss is a sum over the global batch's tokens averaged by DeepSpeed's gradient all-reduce."""
+        if (self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+                and num_items_in_batch is not None):
+            return self.accelerator.num_processes // self.get_tp_size()
+        return 1
+
+    def _add_parts(self, num_items_in_batch) -> None:
+        """Accumulate (ce, kl) as Trainer.training_step accumulates the loss it logs: divided by the accumulation
+        steps unless already normalised over the accumulated batch."""
+        scaled_for_ga = (self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else
+                         (self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                         or self.compute_loss_func is not None)
+        parts = torch.stack(self._parts).float()
+        if not scaled_for_ga:
+            parts = parts / self.current_gradient_accumulation_steps
+        if self._part_sums is None:
+            self._part_sums = torch.zeros_like(parts)
+            self._parts_logged_at = self.state.global_step
+        self._part_sums += parts
+
+    def log(self, logs: dict, start_time=None) -> None:
+        """With distillation: `loss` becomes the cross-entropy, `kl` and `total_loss` (the Trainer's loss) join it,
+        averaged over the ranks and the steps since the last log as the Trainer averages its loss."""
+        if self.distill is not None and "loss" in logs and self._part_sums is not None:
+            from transformers.trainer_pt_utils import nested_gather
+
+            steps = max(self.state.global_step - self._parts_logged_at, 1)
+            ce, kl = (nested_gather(self._part_sums[None], self.args.parallel_mode).mean(0) / steps).tolist()
+            self._part_sums.zero_()
+            self._parts_logged_at = self.state.global_step
+            logs.update(total_loss=logs["loss"], loss=ce, kl=kl)
+        super().log(logs, start_time)
 
 
 def _tune_engine(engine) -> None:
@@ -112,12 +174,15 @@ def _tune_engine(engine) -> None:
 
 
 class MetricsCallback(TrainerCallback):
-    """Rank 0: per logged step a row step,loss,lr,grad_norm,tokens,tokens_per_second to a CSV in the
-    checkpoint folder (truncated to the resumed step after a restart), and the same rows to MLflow in
-    batches when a checkpoint is saved and at the end (steps already in MLflow are not logged twice)."""
+    """Rank 0: per logged step a row step,loss,lr,grad_norm,tokens,tokens_per_second (and kl,total_loss with
+    distillation) to a CSV in the checkpoint folder (truncated to the resumed step after a restart), and the same
+    rows to MLflow in batches when a checkpoint is saved and at the end (steps already in MLflow are not logged
+    twice)."""
 
-    def __init__(self, csv_path: Path, tokens_per_step: int, run_id: str | None, tracking_uri: str | None):
+    def __init__(self, csv_path: Path, tokens_per_step: int, run_id: str | None, tracking_uri: str | None,
+                 distill: bool = False):
         self.csv_path, self.tokens_per_step = csv_path, tokens_per_step
+        self.columns = METRICS_HEADER + (DISTILL_COLUMNS if distill else [])
         self.run_id, self.tracking_uri = run_id, tracking_uri
         self.pending: list[dict] = []
         self.in_mlflow: set[int] = set()
@@ -132,7 +197,7 @@ class MetricsCallback(TrainerCallback):
             with open(self.csv_path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= state.global_step]
         with open(self.csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, METRICS_HEADER, lineterminator="\n")
+            writer = csv.DictWriter(f, self.columns, lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
         self.in_mlflow = tracking.logged_steps(self.run_id, "loss", self.tracking_uri)
@@ -155,12 +220,13 @@ class MetricsCallback(TrainerCallback):
             "grad_norm": logs.get("grad_norm"),
             "tokens": state.global_step * self.tokens_per_step,
             "tokens_per_second": steps * self.tokens_per_step / max(now - self.last_time, 1e-9),
+            **{k: logs.get(k) for k in self.columns if k in DISTILL_COLUMNS},
         }
         cpu = time.process_time()
         self.cpu_per_step.append((cpu - self.last_cpu) / steps)  # all threads of this process
         self.last_time, self.last_step, self.last_cpu = now, state.global_step, cpu
         with open(self.csv_path, "a", newline="") as f:
-            csv.DictWriter(f, METRICS_HEADER, lineterminator="\n").writerow(row)
+            csv.DictWriter(f, self.columns, lineterminator="\n").writerow(row)
         self.pending.append(row)
 
     def flush(self):
@@ -201,6 +267,11 @@ def mlflow_params(cfg, manifest: dict) -> dict:
             "nodes", "zero_stage", "offload", "gradient_checkpointing", "weight_decay", "clip", "adam_beta1",
             "adam_beta2", "adam_eps", "seed", "precision", "model", "data", "deepspeed"]
     params = {k: getattr(cfg, k) for k in keys}
+    if cfg.distill_weight > 0:  # only when on: a run without them keeps the params it always had
+        params.update(distill_weight=cfg.distill_weight, distill_temperature=cfg.distill_temperature,
+                      teacher=cfg.teacher)
+    if cfg.trainable != "all":
+        params["trainable"] = cfg.trainable
     params.update(block_length=manifest["block_length"], data_corpus=manifest["corpus"],
                   data_train_sha256=manifest["splits"]["train"]["sha256"])
     return params
@@ -245,10 +316,14 @@ def training_arguments(cfg, cuda: bool, bf16: bool, universal: bool = False) -> 
 
 
 def build_trainer(cfg, cuda: bool, bf16: bool, dataset, callbacks=(), universal: bool = False) -> MLATrainer:
-    """TrainingArguments (with DeepSpeed) -> model -> MLATrainer, in the order ZeRO-3 needs."""
+    """(teacher ->) TrainingArguments (with DeepSpeed) -> model -> MLATrainer, in the order ZeRO-3 needs."""
     from mla.checkpoint import load_model
+    from mla.training.distill import Distillation, load_teacher
     from mla.training.optimizer import optimizer_class_and_kwargs
+    from mla.training.trainable import select_trainable
 
+    # the teacher before the DeepSpeed config exists, so that ZeRO-3 cannot partition it: a whole copy per rank
+    teacher = load_teacher(cfg.teacher, bf16) if cfg.distill_weight > 0 else None
     args = training_arguments(cfg, cuda, bf16, universal)
     _ = args.device  # sets up torch.distributed (gloo with use_cpu) before zero.Init needs the world size
     import deepspeed
@@ -256,9 +331,13 @@ def build_trainer(cfg, cuda: bool, bf16: bool, dataset, callbacks=(), universal:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # wraps the group made above
     model = load_model(cfg.model, dtype=torch.float32)
     model.config.use_cache = False
+    select_trainable(model, cfg.trainable)  # before the optimizer: frozen parameters get no state
+    distill = None
+    if teacher is not None:
+        distill = Distillation(teacher.to(args.device), cfg.distill_weight, cfg.distill_temperature)
     return MLATrainer(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks),
                       optimizer_cls_and_kwargs=optimizer_class_and_kwargs(cfg, cuda),
-                      schedule=(cfg.steps, cfg.warmup_steps, cfg.decay_steps))
+                      schedule=(cfg.steps, cfg.warmup_steps, cfg.decay_steps), distill=distill)
 
 
 def checkpointed_layers(model) -> int:
@@ -284,6 +363,37 @@ def loaded_share(model) -> dict:
     return {"total": total, "held": held, "local": local, "not_partitioned": whole}
 
 
+def distill_and_trainable_info(cfg, model) -> dict:
+    """run.json's `distill` (null when off) and `trainable` entries."""
+    from mla.training.trainable import elements
+
+    distill = None
+    if cfg.distill_weight > 0:
+        distill = {"weight": cfg.distill_weight, "temperature": cfg.distill_temperature, "teacher": cfg.teacher}
+    params = list(model.parameters())
+    return {"distill": distill, "trainable": {"mode": cfg.trainable, "parameters": sum(map(elements, params)),
+                                              "trainable_parameters": sum(elements(p) for p in params
+                                                                          if p.requires_grad)}}
+
+
+def _report_teacher_and_trainable(trainer: MLATrainer, cfg, node: str) -> None:
+    """One stderr line each: the teacher is whole on this rank (never a DeepSpeed partition); what trains."""
+    from mla.training.distill import whole_parameter_elements
+
+    rank = os.environ.get("RANK", "0")
+    if trainer.distill is not None:
+        teacher = trainer.distill.teacher
+        local, partitioned = whole_parameter_elements(teacher)
+        print(f"mla train: rank {rank} on {node} holds the teacher {cfg.teacher} whole: {local:,} parameter "
+              f"elements in local tensors, {partitioned} parameters partitioned, {next(teacher.parameters()).dtype}, "
+              f"{next(teacher.parameters()).device}, weight {cfg.distill_weight}, temperature "
+              f"{cfg.distill_temperature}", file=sys.stderr, flush=True)
+    if cfg.trainable != "all":
+        info = distill_and_trainable_info(cfg, trainer.model)["trainable"]
+        print(f"mla train: rank {rank} trains {info['trainable_parameters']:,} of {info['parameters']:,} parameter "
+              f"elements ({cfg.trainable} only)", file=sys.stderr, flush=True)
+
+
 def run_training(cfg, manifest: dict) -> dict:
     """Train per `cfg` (already resolved and checked) inside a launched process; returns run.json's content."""
     from mla.data import open_blocks
@@ -305,7 +415,7 @@ def run_training(cfg, manifest: dict) -> dict:
     blocks = open_blocks(cfg.data, "train")
     dataset = BlockDataset(blocks, cfg.steps * cfg.global_batch, cfg.seed)
     metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], None,
-                              cfg.tracking_uri)
+                              cfg.tracking_uri, distill=cfg.distill_weight > 0)
     callbacks = [metrics, LayoutCallback(cfg), *extra_callbacks(cfg.callbacks)]
     trainer = build_trainer(cfg, cuda, bf16, dataset, callbacks, universal)
     share = loaded_share(trainer.model)
@@ -313,6 +423,7 @@ def run_training(cfg, manifest: dict) -> dict:
     print(f"mla train: rank {os.environ.get('RANK', '0')} on {node} holds {share['held']:,} of {share['total']:,} "
           f"parameter elements after loading ({share['local']:,} in local tensors, {len(share['not_partitioned'])} "
           f"parameters not partitioned)", file=sys.stderr, flush=True)
+    _report_teacher_and_trainable(trainer, cfg, node)
 
     run_id = None
     tags = default_tags(cfg, trainer.model.config)
@@ -340,6 +451,7 @@ def run_training(cfg, manifest: dict) -> dict:
         "train_runtime_s": round(time.time() - t0, 3),
         "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
         "cpu_seconds_per_step": metrics.cpu_per_step,  # rank 0's process CPU time per logged step
+        **distill_and_trainable_info(cfg, trainer.model),
         "config": json.loads(cfg.to_json()),
     }
     if rank0:

@@ -140,6 +140,12 @@ def start_checkpoint(wc):
     return STUDY.start_dir(wc.model, wc.start)
 
 
+def finetune_teacher(wc):
+    """The distillation teacher's checkpoint (a model key's folder), or nothing without distillation."""
+    distill = _run(wc).train.get("distill")
+    return [model_dir(distill["teacher"])] if distill else []
+
+
 def finetune_nodes(wc):
     return _run(wc).train["nodes"]
 

@@ -26,6 +26,7 @@ rule finetune:
     input:
         model=start_checkpoint,
         data=lambda wc: data_dir(wc.model),
+        teacher=finetune_teacher,  # distillation only (its --teacher is in params.args)
     output:
         final=directory("results/finetune/{model}/{start}/{recipe}/final"),
         metrics="results/finetune/{model}/{start}/{recipe}/metrics.csv",
