@@ -350,19 +350,29 @@ def test_gpu_check_skips_without_cuda(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
-    """The GPU check's code on tiny shapes on the CPU: Trainer steps, the plan against the allocator (activations
-    and DeepSpeed ZeRO-2's own model states), and absorbed-MLA decode beside S(B,T)."""
+    """The GPU check's code on tiny shapes on the CPU, started from another folder without PYTHONPATH (its
+    subprocesses find this checkout): the GPU test tier collected and skipped, Trainer steps (fp32 load and
+    accumulation on the CPU), the plan against the allocator (activations, and DeepSpeed ZeRO-2's own model states
+    in bf16 with fp32 accumulation), and absorbed-MLA decode beside S(B,T)."""
     out = tmp_path / "gpu-check.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu-check"), "--device", "cpu", "--tiny", "--out",
                         str(out), "--workdir", str(tmp_path / "work")],
-                       capture_output=True, text=True, timeout=580, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=580, env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(out.read_text())
+    assert s["status"] == "ok" and s["errors"] == {} and s["parts"] == ["t", "b", "c", "a"]
+    assert Path(s["package"]).resolve() == (ROOT / "mla/__init__.py").resolve()
+    tests = s["gpu_tests"]   # no CUDA here: every test of the tier collected and skipped, none failed
+    assert tests["skipped"] == len(tests["cases"]) >= 8 and tests["failed"] == tests["error"] == 0
+    assert all("CUDA" in c["message"] for c in tests["cases"])
     t = s["training"]
     assert t["tokens_per_second"] > 0 and len(t["losses"]) == t["steps"]
     assert all(0 < loss < 20 for loss in t["losses"])
+    assert (t["loaded_dtype"], t["grad_accum_dtype"], t["accumulation"]) == ("float32", "float32", 2)
     for row in s["activations"]["rows"]:
         assert abs(row["measured_over_plan"] - 1) < 0.08, row
+    assert s["model_states"]["precision"] == "bf16"
     ratios = s["model_states"]["measured_over_plan"]
     for key in ("params_bytes", "initialize_bytes", "first_step_kept_bytes", "steady_state_bytes"):
         assert abs(ratios[key] - 1) < 0.01, (key, s["model_states"])
@@ -372,3 +382,34 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
     for p in points:
         assert p["status"] == "ok" and p["predicted_speedup"] > 1 and p["mla_absorbed_tps"] > 0
         assert p["speedup_q4"] == pytest.approx(p["mla_absorbed_q4_tps"] / p["original_tps"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_check_records_a_failed_part_and_goes_on(tmp_path):
+    """A part that raises is recorded (type and message) and the next part runs; the JSON is written after each
+    part, so a process killed in a later part leaves the earlier ones on disk."""
+    import signal
+    import time
+
+    out = tmp_path / "gpu-check.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/gpu-check"), "--device", "cpu", "--tiny",
+                             "--parts", "c,a", "--decode-d-kv", "0", "--out", str(out),
+                             "--workdir", str(tmp_path / "work")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            s = json.loads(out.read_text()) if out.is_file() else {}
+            if "c" in s.get("timings_s", {}):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]   # part a is still running
+        assert s["status"] == "failed" and "decode" not in s and "training" not in s
+        assert "kv_lora_rank must be positive" in s["errors"]["c"]["error"]
+        assert "Traceback" in s["errors"]["c"]["traceback"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)   # its own group: gpu-check and part a's `mla train`
+        proc.communicate()
+    assert json.loads(out.read_text())["errors"].keys() == {"c"}   # what was written survives the kill

@@ -45,7 +45,7 @@ class JobPlan:
         """Submissions the run needs at the stated throughput (1 when it cannot be planned)."""
         if self.training_minutes is None or self.usable_minutes is None:
             return 1
-        return max(1, math.ceil(self.training_minutes / self.usable_minutes))
+        return max(1, _whole_minutes(self.training_minutes / self.usable_minutes))
 
     @property
     def retries(self) -> int | None:
@@ -54,14 +54,19 @@ class JobPlan:
 
     def minutes(self, attempt: int = 1) -> int:
         """SLURM time limit (sbatch -t, minutes) of submission `attempt` (1 = the first)."""
-        longest = self.limit_minutes or DEFAULT_JOB_MINUTES
         if self.training_minutes is None:
-            return longest
-        done = (attempt - 1) * (self.usable_minutes or 0)
-        left = self.training_minutes - done
+            return self.limit_minutes or DEFAULT_JOB_MINUTES
+        if self.limit_minutes is None:    # no limit stated: the whole run in one job
+            return _whole_minutes(self.training_minutes + JOB_OVERHEAD_MINUTES)
+        left = self.training_minutes - (attempt - 1) * self.usable_minutes
         if left <= 0:   # more submissions than planned: the throughput was optimistic, give a whole job
-            return longest
-        return min(longest, math.ceil(left + JOB_OVERHEAD_MINUTES))
+            return self.limit_minutes
+        return min(self.limit_minutes, _whole_minutes(left + JOB_OVERHEAD_MINUTES))
+
+
+def _whole_minutes(x: float) -> int:
+    """Rounded up, ignoring float noise below a microsecond (28 h x 60 x 1.1 is 1848.0000000000002)."""
+    return math.ceil(round(x, 6))
 
 
 def plan_run(tokens: int, gpus: int, tokens_per_gpu_second: float | None, max_job_hours: float | None) -> JobPlan:
