@@ -251,8 +251,8 @@ def gpu_tests(work: Path, *, device: str, log, timeout: int = 3600) -> dict:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-                message = (child.get("message") or child.text or "").strip().splitlines()[0][:500] \
-                    if (child.get("message") or child.text) else ""
+                text = (child.get("message") or child.text or "").strip()
+                message = text.splitlines()[0][:500] if text else ""
         cases.append({"test": case.get("name"), "outcome": outcome, "message": message,
                       "seconds": float(case.get("time") or 0)})
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
