@@ -104,9 +104,11 @@ def test_job_end_time_is_read_from_scontrol():
     assert end == datetime(2026, 12, 2, 10, 10, 5).timestamp() and limit == 600
     assert timelimit.parse_job_times(RECORD.replace("EndTime=2026-12-02T10:10:05", "EndTime=Unknown")) is None
     assert timelimit.parse_job_times("JobId=42 JobState=PENDING StartTime=Unknown EndTime=Unknown") is None
-    # margin: two slowest steps plus a tenth of the limit, at most 10 minutes
-    assert timelimit.stop_margin(600, 3.0) == 6.0 + 60
+    # margin: two slowest steps, plus a tenth of the limit within [1, 10] minutes, or twice the slowest save
+    assert timelimit.stop_margin(1200, 3.0) == 6.0 + 120
+    assert timelimit.stop_margin(120, 0.5) == 1.0 + timelimit.STOP_FLOOR_S
     assert timelimit.stop_margin(48 * 3600, 40.0) == 80.0 + timelimit.STOP_MARGIN_S
+    assert timelimit.stop_margin(48 * 3600, 40.0, slowest_save_s=420) == 80.0 + 840
 
 
 def _step(callback, state, seconds=0.0):
@@ -126,7 +128,15 @@ def test_callback_saves_and_stops_when_the_time_left_is_below_the_margin(tmp_pat
     callback.on_train_begin(SimpleNamespace(device="cpu"), state, TrainerControl())
     control = _step(callback, state, seconds=2.0)
     assert not control.should_training_stop and not (tmp_path / timelimit.STOP_FILE).exists()
-    # the limit is lowered (scontrol update) to 5 minutes from now: read again after DEADLINE_REFRESH_S
+    # a periodic checkpoint after a step is timed, and the slowest one widens the margin
+    args, control = SimpleNamespace(device="cpu"), TrainerControl(should_save=True)
+    callback.on_step_begin(args, state, control)
+    callback.on_step_end(args, state, control)
+    callback.save_start -= 100.0            # as if the save had taken 100 s
+    callback.on_save(args, state, control)
+    assert callback.slowest_save >= 100.0 and not control.should_training_stop
+    # the limit is lowered (scontrol update) to 5 minutes from now: read again after DEADLINE_REFRESH_S; 300 s left
+    # is below the margin, 2 x 2 s + max(2 x 100 s (the slow save), a tenth of the hour)
     ends["end"] = now + 300
     callback.read_at -= timelimit.DEADLINE_REFRESH_S
     state.global_step = 4

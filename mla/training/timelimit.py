@@ -4,8 +4,10 @@ SLURM ends a job at its time limit (SIGTERM, SIGKILL after KillWait), and everyt
 checkpoint is lost (Llama-2-7B at save_steps 500 on 8 GPUs: hours). Inside a SLURM job (SLURM_JOB_ID set),
 rank 0 of `mla train` reads the job's end time (`scontrol show job`: EndTime, again every
 DEADLINE_REFRESH_S, so a limit changed with `scontrol update` is followed) and, after each optimizer step,
-asks to stop once the time left is below the margin: two of the slowest steps seen so far, plus the smaller
-of STOP_MARGIN_S and a tenth of the job's time limit (writing the checkpoint and leaving). One all-reduce
+asks to stop once the time left is below the margin: two of the slowest steps seen so far, plus the time to
+write the checkpoint and leave -- twice the slowest checkpoint seen, and at least a tenth of the job's time
+limit, bounded by STOP_FLOOR_S and STOP_MARGIN_S (a minute of Python teardown and the MLflow rows since the
+last save; ten minutes, a Llama-2-7B ZeRO-2 checkpoint on a slow file system). One all-reduce
 per step makes every rank stop after the same step. The Trainer then writes a checkpoint as at a save step,
 `STOP_FILE` in the checkpoint folder records the step, and `mla train` exits with EXIT_STOPPED (75,
 EX_TEMPFAIL): the next submission of the same command resumes from that checkpoint (mla.training.walltime
@@ -23,7 +25,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-STOP_MARGIN_S = 600          # at most: time to write the stop checkpoint (Llama-2-7B ZeRO-2: minutes) and exit
+STOP_MARGIN_S = 600          # time to write the stop checkpoint and exit, at most (unless a save took longer)
+STOP_FLOOR_S = 60            # ... and at least
 DEADLINE_REFRESH_S = 30      # rank 0 re-reads the job's end time at most this often (one scontrol call)
 STOP_FILE = "time-limit-stop.json"
 EXIT_STOPPED = 75            # EX_TEMPFAIL: not done, run again
@@ -52,8 +55,10 @@ def job_end_time() -> tuple[float, float] | None:
     return parse_job_times(out.stdout) if out.returncode == 0 else None
 
 
-def stop_margin(limit_s: float, slowest_step_s: float) -> float:
-    return 2 * slowest_step_s + min(STOP_MARGIN_S, 0.1 * limit_s)
+def stop_margin(limit_s: float, slowest_step_s: float, slowest_save_s: float = 0.0) -> float:
+    """Seconds before the job's end at which a run stops: room for two more steps, the checkpoint and the exit."""
+    leave = min(STOP_MARGIN_S, max(STOP_FLOOR_S, 0.1 * limit_s))
+    return 2 * slowest_step_s + max(2 * slowest_save_s, leave)
 
 
 class TimeLimitCallback(TrainerCallback):
@@ -63,6 +68,7 @@ class TimeLimitCallback(TrainerCallback):
     def __init__(self, stop_file: Path, read_deadline=job_end_time, rank_zero: bool = True):
         self.stop_file, self.read_deadline, self.rank_zero = Path(stop_file), read_deadline, rank_zero
         self.deadline, self.read_at, self.slowest, self.step_start = None, -1e18, 0.0, None
+        self.slowest_save, self.save_start = 0.0, None
         self.stopped_at: int | None = None
 
     def _refresh(self, now: float) -> None:
@@ -83,7 +89,9 @@ class TimeLimitCallback(TrainerCallback):
         stop = False
         if self.deadline is not None and state.global_step < state.max_steps:
             end, limit = self.deadline
-            stop = end - now < stop_margin(limit, self.slowest)
+            stop = end - now < stop_margin(limit, self.slowest, self.slowest_save)
+        if control.should_save:   # a periodic checkpoint follows this step: time it (on_save)
+            self.save_start = now
         if _agree(stop, args.device):
             control.should_save = True
             control.should_training_stop = True
@@ -94,6 +102,11 @@ class TimeLimitCallback(TrainerCallback):
                     "job_end": self.deadline[0] if self.deadline else None,
                     "slowest_step_s": round(self.slowest, 3), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}) + "\n")
         return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.save_start is not None:
+            self.slowest_save = max(self.slowest_save, time.time() - self.save_start)
+            self.save_start = None
 
 
 def _agree(stop: bool, device) -> bool:
