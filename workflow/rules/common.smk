@@ -172,7 +172,11 @@ def finetune_runtime(wc, attempt):
 
 
 def finetune_retries():
-    """Resubmissions the longest run needs at train.gpu_tokens_per_second (None: the profile's retries)."""
+    """Resubmissions the longest run needs at train.gpu_tokens_per_second (None: the profile's retries). Inside
+    a SLURM job (the jobstep executor reads this file again) none: a retry there would restart the run in the
+    allocation whose time just ran out (the job then ends at TIMEOUT); resubmitting is the submitting host's."""
+    if workflow.remote_exec:
+        return 0
     plans = [walltime.variant_plan(config, v).retries for v in STUDY.runs().values()]
     return max((r for r in plans if r is not None), default=None)
 
