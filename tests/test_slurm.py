@@ -308,21 +308,21 @@ def _seconds(text: str) -> int:
 @pytest.mark.timeout(1800)
 def test_a_run_cut_by_its_time_limit_resumes_in_the_next_submission(cluster, tmp_path):
     """A fine-tuning run longer than its SLURM job: the rule asks for the planned time (train.gpu_tokens_per_second,
-    max_job_hours) and the planned resubmissions; as soon as the first job runs, its time limit is lowered to 3
-    minutes (`scontrol update`, as an administrator or a short partition would); `mla train` stops with a
-    checkpoint before that limit (the job FAILS with exit status 75, it is not killed at TIMEOUT), Snakemake
-    submits the job again, and the second job resumes from that checkpoint and finishes: every step once, one
-    MLflow run, the resume folder deleted. 5,000 tiny steps: more than the first job's minute of training holds
-    at ~45 steps/s (an idle machine), and what remains fits the second job at ~10 steps/s (a busy one)."""
+    max_job_hours) and the planned resubmissions; once the first job has trained 50 steps its time limit is lowered
+    to end 70-130 s later (`scontrol update`, as an administrator would); `mla train` reads the new end within
+    30 s and stops with a checkpoint a minute before it (exit status 75: the job FAILS, it is not killed at
+    TIMEOUT), Snakemake submits the job again, and the second job resumes from that checkpoint and finishes:
+    every step once, one MLflow run, the resume folder deleted. 10,000 tiny steps: the first job cannot finish
+    them at the ~70 steps/s of an idle machine, and the second can at the ~10 steps/s of a busy one."""
     state, env = cluster
     work, profile = tmp_path / "work", test_profile(tmp_path)
     work.mkdir()
-    steps = 5000
+    steps = 10_000
     config = yaml.safe_load(SMOKE.read_text())
     # periodic checkpoints as in the paper's recipe (each also flushes its rows to MLflow: the stop margin
     # learns how long saving takes from them)
     config["train"].update(steps=steps, save_steps=500, gpu_tokens_per_second=1e6, max_job_hours=1)
-    config["data"]["max_tokens"] = None                      # 5,000 steps x 2 x 32 tokens, more than the smoke's cap
+    config["data"]["max_tokens"] = None                      # 10,000 steps x 2 x 32 tokens, more than the smoke's cap
     configfile = tmp_path / "long.yaml"
     configfile.write_text(yaml.safe_dump(config))
     v = smoke_variant("gqa2mla", "baseline", config)        # needs only the download and data jobs before it
@@ -349,10 +349,14 @@ def test_a_run_cut_by_its_time_limit_resumes_in_the_next_submission(cluster, tmp
     while first is None and time.time() < deadline and proc.poll() is None:
         running = [i for i, (s, c) in squeue_jobs(env).items()
                    if i not in before and s == "RUNNING" and c.startswith("rule_finetune")]
-        if running:   # before `mla train` has even imported torch: it reads the lowered end time at its start
+        trained = sum(len(f.read_text().splitlines()) - 1 for f in ckpt_root.glob("*/metrics.csv"))
+        if running and trained >= 50:
+            # the job now ends 70-130 s from here; mla train sees it within 30 s and stops a minute before
             first = running[0]
-            limit_before = scontrol_job(first, env)["TimeLimit"]
-            subprocess.run(["scontrol", "update", f"JobId={first}", "TimeLimit=3"], env=env, check=True)
+            record = scontrol_job(first, env)
+            limit_before = record["TimeLimit"]
+            minutes = (_seconds(record["RunTime"]) + 70) // 60 + 1
+            subprocess.run(["scontrol", "update", f"JobId={first}", f"TimeLimit={minutes}"], env=env, check=True)
         time.sleep(0.5)
     out, _ = proc.communicate(timeout=timeout + 60)
     assert first is not None, "no finetune job ran:\n" + out[-4000:]
