@@ -1,23 +1,38 @@
-"""`scripts/gpu-check`: issue 9's facts on one GPU, in under 8 minutes, as one JSON summary.
+"""`scripts/gpu-check`: the GPU path's facts on one GPU, in minutes, as one JSON summary.
 
-(a) training throughput: bf16 ZeRO-2 steps of a SmolLM-135M-shaped model (random weights, local data) through
-    `mla train` (the Trainer + DeepSpeed path of the workflow); tokens/s and model FLOPs utilisation
-    MFU = (6·N + 12·L·n_h·d_h·s)·tokens/s / peak dense bf16 FLOP/s (mla/training/flops.py: N = parameters that
-    multiply, the second term attention's QKᵀ and PV), the peak looked up by GPU name (`--peak-tflops` overrides).
+(t) the GPU test tier, first: `pytest tests/test_gpu.py` (bf16 absorbed attention, the cache's bf16 round trip,
+    a bf16 ZeRO-2 step against fp32, `mla train` on CUDA, the original model's quantized-cache evaluation,
+    `generate` with the latent cache); the counts and each test's outcome.
 (b) the memory plan (`mla.training.memory`) against the allocator:
     - activations: one forward + backward of the exact Llama-2-7B shape (32 layers, bf16, micro-batch 1 x 4096
       tokens), with and without gradient checkpointing: peak minus what was allocated before (params and
       pre-allocated gradients), against the plan's `activations_bytes`;
-    - model states: one GPU cannot hold 7B ZeRO-2 states (20 bytes/param = 135 GB at N = 1), so the same
-      layer shapes with fewer layers (`--states-layers`, default 8 of 32) go through DeepSpeed ZeRO-2 itself:
-      the bytes of the bf16 params, of `deepspeed.initialize` (fp32 master partition), of the first step (Adam
-      states) and the peak of a later step (everything) against the plan's params, optimizer and total.
+    - model states: one GPU cannot hold 7B ZeRO-2 states (18 bytes/param = 121 GB at N = 1), so the same
+      layer shapes with fewer layers (`--states-layers`, default 8 of 32) go through DeepSpeed ZeRO-2 itself in
+      bf16 with the workflow's config (gradients accumulated in fp32): the bytes of the bf16 params, of
+      `deepspeed.initialize` (fp32 master partition), of the first step (Adam states) and the peak of a later
+      step (everything) against the plan's params, optimizer and total.
 (c) decode: absorbed MLA (random weights at Llama-2-7B shapes, `--decode-d-kv`, r = 8, bf16) against a random
     original twin, batch 8 and 32 at context 4096, beside the predicted S(B,T) (`mla.evaluation.decode`);
     also absorbed with the 4-bit latent cache (group 64, window 128: the paper's setting), `speedup_q4`.
+(a) training throughput: bf16 ZeRO-2 steps (2 micro-batches each) of a SmolLM-135M-shaped model (random
+    weights, local data) through `mla train` (the Trainer + DeepSpeed path of the workflow); tokens/s and model
+    FLOPs utilisation MFU = (6·N + 12·L·n_h·d_h·s)·tokens/s / peak dense bf16 FLOP/s (mla/training/flops.py:
+    N = parameters that multiply, the second term attention's QKᵀ and PV), the peak looked up by GPU name
+    (`--peak-tflops` overrides); the load and accumulation dtypes.
+
+Each part runs on its own: an error is recorded in the summary's `errors` (type, message, traceback tail) and
+the next part still runs; the JSON is rewritten after every part, so a part that kills the process leaves the
+earlier ones. Exit status 0 when every part ran and no GPU test failed, else 1. Subprocesses (`mla train`,
+pytest) get this checkout on PYTHONPATH, so it runs from any directory without installing the package.
+
+Needs installed: a CUDA build of torch 2.13 and DeepSpeed 0.19.8 (`pip install deepspeed==0.19.8`: none of its
+C++/CUDA ops is used, the optimizer is torch's fused AdamW), this package's other requirements
+(pyproject.toml), and pytest for (t). Nothing else: no weights (every model is random at the real shapes), no
+network (the training data is the Python standard library's own sources).
 
 Without CUDA it prints why and exits 0. `--device cpu --tiny` runs the same code on tiny shapes on the CPU
-(fp32 training, the CPU profiler's memory events as the allocator), which is what the tests run.
+(the CPU profiler's memory events as the allocator), which is what the tests run.
 """
 
 from __future__ import annotations
@@ -32,12 +47,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from mla.conversion import shapes
 from mla.study.options import DEFAULT_VALIDATION_FRACTION
 from mla.training import flops, memory
 from mla.training.flops import peak_flops
+
+ROOT = Path(__file__).resolve().parents[1]      # the checkout this script belongs to
 
 TINY_SMOLLM = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
@@ -184,6 +203,51 @@ def measure_activations(model, *, micro_batch: int, seq: int, gradient_checkpoin
     return meter.delta_peak("fwd_bwd")
 
 
+# ---------------------------------------------------------------- subprocesses
+def checkout_env(device: str) -> dict:
+    """This environment for a subprocess: the checkout first on PYTHONPATH (the package without installing it,
+    from any working directory), none of this process's rendezvous variables (part (b) sets them), and on CUDA
+    no DS_ACCELERATOR (DeepSpeed must find the GPU)."""
+    env = {k: v for k, v in os.environ.items() if k not in
+           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    if device == "cuda":
+        env.pop("DS_ACCELERATOR", None)
+    return env
+
+
+def subprocess_package(device: str) -> str:
+    """Where a subprocess started like the parts' finds the `mla` package (this checkout, or the check says so)."""
+    out = subprocess.run([sys.executable, "-c", "import mla; print(mla.__file__)"], capture_output=True, text=True,
+                         env=checkout_env(device), cwd=tempfile.gettempdir(), timeout=300)
+    return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
+
+
+# ---------------------------------------------------------------- (t) the GPU test tier
+def gpu_tests(work: Path, *, device: str, log, timeout: int = 3600) -> dict:
+    """`pytest tests/test_gpu.py` in a subprocess; counts and each test's outcome from its JUnit XML."""
+    report = work / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_gpu.py"), "-q", "-rA", "-p", "no:cacheprovider",
+           f"--junitxml={report}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=checkout_env(device), timeout=timeout)
+    if not report.is_file():   # pytest missing, or it could not collect the file
+        raise RuntimeError(f"pytest did not run tests/test_gpu.py (exit {proc.returncode}):\n"
+                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+    cases = []
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                text = (child.get("message") or child.text or "").strip()
+                message = text.splitlines()[0][:500] if text else ""
+        cases.append({"test": case.get("name"), "outcome": outcome, "message": message,
+                      "seconds": float(case.get("time") or 0)})
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    log(f"(t) GPU tests: {counts}")
+    return {"returncode": proc.returncode, **counts, "cases": cases}
+
+
 # ---------------------------------------------------------------- (a) training throughput
 def training_throughput(work: Path, *, tiny: bool, device: str, steps: int, micro_batch: int, seq: int,
                         peak: float | None, log) -> dict:
@@ -205,27 +269,27 @@ def training_throughput(work: Path, *, tiny: bool, device: str, steps: int, micr
                   validation_fraction=DEFAULT_VALIDATION_FRACTION, seed=0, workers=min(4, os.cpu_count() or 1),
                   log=lambda *a: None)
     precision = "fp32" if device == "cpu" else "bf16"
+    # two micro-batches per step: the workflow's fp32 gradient accumulation runs as in the paper's 7B recipe
     cmd = [sys.executable, "-m", "mla", "train", "--model", str(model_dir), "--data", str(data_dir),
            "--out", str(out_dir), "--steps", str(steps), "--warmup-steps", "1", "--decay-steps", "1",
-           "--micro-batch", str(micro_batch), "--global-batch", str(micro_batch), "--zero-stage", "2",
+           "--micro-batch", str(micro_batch), "--global-batch", str(2 * micro_batch), "--zero-stage", "2",
            "--precision", precision, "--device", device, "--nproc", "1", "--no-mlflow",
            "--save-steps", str(10 * steps), "--log-steps", "1"]
-    # a fresh single-process job: none of this process's rendezvous variables (part (b) set them)
-    env = {k: v for k, v in os.environ.items() if k not in
-           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=checkout_env(device), cwd=work)
     if proc.returncode:
         raise RuntimeError(f"mla train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     with open(out_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
+    run = json.loads((out_dir / "run.json").read_text())
     skip = min(3, len(rows) - 1)
     tps = statistics.median(float(r["tokens_per_second"]) for r in rows[skip:])
     n_params = memory.total_params(shapes.shape_of(config), tied=bool(config.get("tie_word_embeddings")))
     per_token = flops.training_flops_per_token(config, seq)
     mfu = flops.mfu(tps, per_token["total_flops"], peak)
     result = {"model": "SmolLM-135M shape" + (" (tiny)" if tiny else ""), "parameters": n_params,
-              "precision": precision, "zero_stage": 2, "micro_batch": micro_batch, "seq": seq, "steps": steps,
+              "precision": precision, "zero_stage": 2, "micro_batch": micro_batch, "accumulation": 2, "seq": seq,
+              "steps": steps, "loaded_dtype": run.get("loaded_dtype"), "grad_accum_dtype": run.get("grad_accum_dtype"),
               "tokens_per_second": round(tps, 1), "flops_per_token": per_token,
               "model_flops_per_second": per_token["total_flops"] * tps,
               "peak_flops": peak, "peak": "dense bf16 tensor-core FLOP/s (datasheet, by GPU name)" if peak else None,
@@ -289,8 +353,8 @@ def model_states_check(*, tiny: bool, device, layers: int, micro_batch: int, seq
     from mla.training import launch
 
     cuda = torch.device(device).type == "cuda"
-    precision = "bf16" if cuda else "fp32"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    # bf16 on the CPU too (tiny shapes: seconds), so the rehearsal measures the fp32 gradient accumulation
+    precision, dtype = "bf16", torch.bfloat16
     config = llama_config("llama-2-7b", tiny, num_hidden_layers=layers)
     plan = memory.plan_training(config, nproc=1, micro_batch=micro_batch, seq=seq, zero_stage=2,
                                 gradient_checkpointing=True, precision=precision, overlap_comm=cuda)
@@ -378,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: CUDA when present, else skip (exit 0); cpu: run on the CPU (use with --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (seconds; what the CPU test runs)")
     p.add_argument("--out", default="gpu-check.json", help="where the JSON summary goes (default gpu-check.json)")
-    p.add_argument("--parts", default="a,b,c", help="which checks: a (train), b (memory), c (decode)")
+    p.add_argument("--parts", default="t,b,c,a",
+                   help="which checks: t (the GPU test tier), b (memory), c (decode), a (train); run in that order")
     p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the GPU (default: by its name)")
     p.add_argument("--train-steps", type=int, help="steps of (a) (default 30; tiny 4)")
     p.add_argument("--train-micro-batch", type=int, help="micro-batch of (a) (default 16 x 2048 tokens; tiny 2 x 64)")
@@ -388,9 +453,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PARTS = ("t", "b", "c", "a")   # tests first; memory while the GPU is empty; decode; training in its own process
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    """The summary so far, replacing the file whole (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def run_part(name: str, fn, summary: dict, out: Path, log, device: str) -> None:
+    """Run one part; its result goes into `summary`, an exception into summary["errors"][name]; then the JSON."""
+    import gc
+
+    t = time.time()
+    try:
+        summary.update(fn())
+    except Exception as exc:   # recorded, and the next part still runs
+        summary["errors"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000],
+                                   "traceback": traceback.format_exc()[-4000:]}
+        log(f"({name}) failed: {type(exc).__name__}: {str(exc)[:500]}")
+    finally:
+        gc.collect()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        summary["timings_s"][name] = round(time.time() - t, 1)
+        summary["status"] = status_of(summary)
+        write_summary(out, summary)
+
+
+def status_of(summary: dict) -> str:
+    tests = summary.get("gpu_tests") or {}
+    return "ok" if not summary["errors"] and not tests.get("failed") and not tests.get("error") else "failed"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)   # noqa: E731
+    out = Path(args.out).resolve()
     import torch
 
     if args.device == "auto":
@@ -398,51 +501,55 @@ def main(argv: list[str] | None = None) -> int:
             summary = {"status": "skipped", "reason": "no CUDA device visible to torch (torch.cuda.is_available() is "
                                                       "False); `--device cpu --tiny` rehearses the same code on the CPU"}
             print(json.dumps(summary, indent=2))
-            Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(out, summary)
             return 0
         args.device = "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: error: --device cuda: no CUDA device visible to torch", file=sys.stderr)
         return 2
     tiny, device = args.tiny, args.device
-    parts = set(args.parts.split(","))
+    if device == "cuda" and os.environ.pop("DS_ACCELERATOR", "cuda") != "cuda":   # e.g. a CPU test setting
+        log("gpu-check: DS_ACCELERATOR removed: DeepSpeed must find the GPU")
+    parts = [p for p in PARTS if p in set(args.parts.split(","))]
+    unknown = sorted(set(args.parts.split(",")) - set(PARTS))
+    if unknown:
+        print(f"gpu-check: error: --parts {args.parts}: unknown part(s) {unknown}; choose among {','.join(PARTS)}",
+              file=sys.stderr)
+        return 2
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    summary = {"status": "ok", "device": name, "tiny": tiny, "torch": torch.__version__,
-               "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None}
+    summary = {"status": "running", "device": name, "tiny": tiny, "torch": torch.__version__,
+               "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None,
+               "parts": parts, "package": subprocess_package(device), "errors": {}, "timings_s": {}}
+    write_summary(out, summary)
     peak = peak_flops(name, args.peak_tflops) if device == "cuda" else (args.peak_tflops or 0) * 1e12 or None
     seq = 256 if tiny else 4096
-    timings, t0 = {}, time.time()
+    t0 = time.time()
     with contextlib.ExitStack() as stack:
         work = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
-        # memory first (the GPU is empty), decode next (the largest caches), training last (a separate process)
-        if "b" in parts:
-            t = time.time()
-            summary["activations"] = activation_check(tiny=tiny, device=device, micro_batch=1, seq=seq, log=log)
-            summary["model_states"] = model_states_check(tiny=tiny, device=device,
-                                                         layers=args.states_layers or (2 if tiny else 8),
-                                                         micro_batch=1, seq=seq, log=log)
-            timings["b"] = round(time.time() - t, 1)
-        if "c" in parts:
-            t = time.time()
-            grid = [(2, 64), (4, 64)] if tiny else [(8, 4096), (32, 4096)]
-            d_kv = 8 if tiny and args.decode_d_kv == 32 else args.decode_d_kv
-            summary["decode"] = decode_check(tiny=tiny, device=device, d_kv=d_kv, r=2 if tiny else 8, grid=grid,
-                                             steps=4 if tiny else 16, log=log)
-            timings["c"] = round(time.time() - t, 1)
-        if "a" in parts:
-            t = time.time()
-            summary["training"] = training_throughput(
+        work = work.resolve()
+        runners = {
+            "t": lambda: {"gpu_tests": gpu_tests(work, device=device, log=log)},
+            "b": lambda: {
+                "activations": activation_check(tiny=tiny, device=device, micro_batch=1, seq=seq, log=log),
+                "model_states": model_states_check(tiny=tiny, device=device, layers=args.states_layers or (2 if tiny else 8),
+                                                   micro_batch=1, seq=seq, log=log)},
+            "c": lambda: {"decode": decode_check(
+                tiny=tiny, device=device, d_kv=8 if tiny and args.decode_d_kv == 32 else args.decode_d_kv,
+                r=2 if tiny else 8, grid=[(2, 64), (4, 64)] if tiny else [(8, 4096), (32, 4096)],
+                steps=4 if tiny else 16, log=log)},
+            "a": lambda: {"training": training_throughput(
                 work, tiny=tiny, device=device, steps=args.train_steps or (4 if tiny else 30),
                 micro_batch=args.train_micro_batch or (2 if tiny else 16), seq=64 if tiny else 2048, peak=peak,
-                log=log)
-            timings["a"] = round(time.time() - t, 1)
-    summary["timings_s"] = timings
+                log=log)},
+        }
+        for part in parts:
+            run_part(part, runners[part], summary, out, log, device)
     summary["wall_s"] = round(time.time() - t0, 1)
-    text = json.dumps(summary, indent=2, default=str)
-    print(text)
-    Path(args.out).write_text(text + "\n")
-    return 0
+    summary["status"] = status_of(summary)
+    write_summary(out, summary)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0 if summary["status"] == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@
 2. A copy of the workflow (Snakefile, workflow/, configs/) in DIR, run there with
    `--configfile configs/paper.yaml configs/paper-rehearsal.yaml` (the overlay changes sizes only).
 3. Checks of the outputs: every evaluation, table and figure; the paper tasks and LongBench scored
-   (numbers, not "skipped"), the staged documents read offline; training with the paper's process count > 1, bf16, gradient accumulation and ZeRO stage;
-   data holding exactly the budgets of `mla.study.budgets`. Any failure: exit status 1 and the reasons.
+   (numbers, not "skipped"), the staged documents read offline; training with the paper's process count > 1, bf16 (the start model loaded in bf16, the
+   micro-batches summed in fp32), gradient accumulation and ZeRO stage; conversions of the bf16 source written
+   in bf16; data holding exactly the budgets of `mla.study.budgets`. Any failure: exit status 1 and the reasons.
 """
 
 from __future__ import annotations
@@ -286,7 +287,10 @@ def check_outputs(workdir: Path) -> list[str]:
             got_want = {"processes": (run["world_size"], t["nproc"]), "precision": (run["precision"], t["precision"]),
                         "accumulation": (run["config"].get("grad_accum"), accum),
                         "zero_stage": (run["config"].get("zero_stage"), t["zero_stage"]),
-                        "steps": (run["steps"], t["steps"])}
+                        "steps": (run["steps"], t["steps"]),
+                        # every rank loads the start model in the training dtype; the micro-batches sum in fp32
+                        "loaded dtype": (run.get("loaded_dtype"), "bfloat16" if t["precision"] == "bf16" else "float32"),
+                        "gradient accumulation dtype": (run.get("grad_accum_dtype"), "float32")}
             for key, (got, want) in got_want.items():
                 if got != want:
                     problems.append(f"{v.run_dir}/run.json: {key} {got}, configured {want}")
@@ -296,6 +300,11 @@ def check_outputs(workdir: Path) -> list[str]:
                 continue
             conv = load_json(workdir / v.convert_dir / "conversion.json")
             configured_d_kv = (conv or {}).get("d_kv") if v.d_kv is None else v.d_kv   # a width budget: no d_kv
+            source = v.model
+            want_dtype = "bfloat16" if HUB_DTYPES.get(cfg["models"][source].get("repo_id")) == "bfloat16" else "float32"
+            if conv and conv.get("saved_dtype") != want_dtype:   # conversions of a bf16 source are written in bf16
+                problems.append(f"{v.convert_dir}/conversion.json: saved in {conv.get('saved_dtype')}, expected "
+                                f"{want_dtype} (the source stores {HUB_DTYPES.get(cfg['models'][source].get('repo_id'))})")
             if conv and (conv.get("d_kv"), conv.get("rope_strategy"), conv.get("svd")) != (configured_d_kv,
                                                                                        v.rope_strategy, v.svd):
                 problems.append(f"{v.convert_dir}/conversion.json: d_kv {conv.get('d_kv')}, "

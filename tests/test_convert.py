@@ -157,3 +157,35 @@ def test_local_source_links_the_files(tiny_checkpoint, tmp_path):
     out = tmp_path / "copy"
     assert mla_main(["download", "--source", "local", "--path", str(tiny_checkpoint), "--out", str(out)]) == 0
     assert (logits_of(load_model(out)) - logits_of(load_model(tiny_checkpoint))).abs().max().item() == 0
+
+
+def test_a_bf16_source_is_converted_in_fp32_and_written_in_bf16(tmp_path):
+    """The SVD runs in fp32 whatever the source; the MLA checkpoint is stored as its source was when that is bf16
+    (what GPU training loads), and fp32 stays fp32 (the CPU default's numbers do not change)."""
+    import torch
+
+    from mla.checkpoint import load_model
+    from mla.conversion.convert import convert_checkpoint, stored_dtype
+    from mla.tiny_models import save_tiny_checkpoint, tiny_llama
+
+    fp32 = save_tiny_checkpoint(tmp_path / "fp32", num_kv_heads=2)
+    bf16 = tmp_path / "bf16"
+    tiny_llama(num_kv_heads=2).to(torch.bfloat16).save_pretrained(bf16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bf16 / name).write_bytes((fp32 / name).read_bytes())
+    assert (stored_dtype(json.loads((bf16 / "config.json").read_text())),
+            stored_dtype(json.loads((fp32 / "config.json").read_text()))) == ("bfloat16", "float32")
+    for src, want in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+        report = convert_checkpoint(src, tmp_path / f"mla-{src.name}", d_kv=8, strategy="high")
+        assert report["saved_dtype"] == str(want).removeprefix("torch.")
+        out = tmp_path / f"mla-{src.name}"
+        assert stored_dtype(json.loads((out / "config.json").read_text())) == report["saved_dtype"]
+        stored = load_model(out, dtype="auto")   # the dtype of the stored tensors
+        assert {p.dtype for p in stored.parameters()} == {want}
+    # computed in fp32 and rounded once: the fp32 conversion of the bf16 source's weights, cast to bf16
+    from mla.conversion.convert import convert_model
+
+    expected, _ = convert_model(load_model(bf16), d_kv=8, strategy="high")
+    expected = expected.to(torch.bfloat16).state_dict()
+    stored = load_model(tmp_path / "mla-bf16", dtype="auto").state_dict()
+    assert expected.keys() == stored.keys() and all(torch.equal(expected[k], stored[k]) for k in expected)

@@ -38,24 +38,32 @@ def _states(config, latent, **kw):
 
 
 @pytest.mark.parametrize("name", NAMED)
-def test_zero2_and_zero3_states_equal_deepspeed_estimators(name):
+def test_zero2_and_zero3_states_are_deepspeed_estimators_with_fp32_accumulation(name):
+    """DeepSpeed's estimators count a bf16 gradient partition (2P/N); our config accumulates in fp32 instead
+    (data_types.grad_accum_dtype): stage 2 holds only the 4P/N fp32 partition (also on the GPU when offloaded),
+    stage 3 the fp32 partition and the step's flat fp32 copy (8P/N where the estimator has 4P/N)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     for latent in LATENTS[name]:
         config, P, largest = _model(name, latent)
         for per_node, nodes in GPUS:
+            n = per_node * nodes
             for offload in (False, True):
                 kw = dict(nproc=per_node, nodes=nodes, offload=offload)
                 _, gpu2 = estimate_zero2_model_states_mem_needs(P, per_node, nodes, cpu_offload=offload)
-                assert _states(config, latent, zero_stage=2, **kw) == gpu2, (latent, per_node, nodes, offload)
+                fp32_accumulation = 4 * P / n if offload else -2 * P / n
+                assert abs(_states(config, latent, zero_stage=2, **kw) - (gpu2 + fp32_accumulation)) <= 2, \
+                    (latent, per_node, nodes, offload)
                 _, gpu3, _ = estimate_zero3_model_states_mem_needs(P, largest, per_node, nodes, cpu_offload=offload,
                                                                    cpu_offload_params=False)
-                assert _states(config, latent, zero_stage=3, **kw) == gpu3, (latent, per_node, nodes, offload)
-    # Llama-2-7B, ZeRO-2 on 8 GPUs: 2P + 18P/8 with P = 6.74B (output head included)
+                fp32_accumulation = 0 if offload else 4 * P / n
+                assert abs(_states(config, latent, zero_stage=3, **kw) - (gpu3 + fp32_accumulation)) <= 3, \
+                    (latent, per_node, nodes, offload)
+    # Llama-2-7B, ZeRO-2 on 8 GPUs: 2P + 16P/8 with P = 6.74B (output head included)
     config, P, _ = _model("llama-2-7b", None)
     assert P == 6_738_415_616
-    assert _states(config, None, nproc=8, zero_stage=2) == 2 * P + 18 * P // 8
+    assert _states(config, None, nproc=8, zero_stage=2) == 2 * P + 16 * P // 8
 
 
 @pytest.mark.parametrize("tie,mla", [(True, False), (False, False), (False, True), (True, True)])
@@ -76,17 +84,53 @@ def test_estimator_inputs_equal_the_built_model(tie, mla):
 
 
 def test_stage0_and_stage1_formulas():
-    """Stages 0 and 1 by formula (DeepSpeed has no estimator for them): bf16 20P and 4P + 16P/N."""
+    """Stages 0 and 1 by formula (DeepSpeed has no estimator for them): bf16 20P, and at stage 1 DeepSpeed's
+    BF16_Optimizer (fp32 accumulation): every bf16 gradient and a whole-model fp32 buffer, 8P + 12P/N."""
     config, P, _ = _model("llama-2-7b", None)
     assert _states(config, None, nproc=1, zero_stage=0) == 20 * P
-    assert _states(config, None, nproc=8, zero_stage=1) == 4 * P + 16 * P // 8
-    assert _states(config, None, nproc=8, zero_stage=1, offload=True) == 4 * P
+    assert _states(config, None, nproc=8, zero_stage=1) == 8 * P + 12 * P // 8
+    assert _states(config, None, nproc=8, zero_stage=1, offload=True) == 8 * P
     assert _states(config, None, nproc=1, zero_stage=0, precision="fp32") == 16 * P   # plain fp32 AdamW
-    # every stage at N = 1 holds the same 20P (nothing to partition across), ZeRO-3 plus the gathered layer
-    for stage in (1, 2):
-        assert _states(config, None, nproc=1, zero_stage=stage) == 20 * P
+    assert _states(config, None, nproc=8, zero_stage=1, precision="fp32") == 8 * P + 16 * P // 8
+    # at N = 1 stage 1 holds stage 0's 20P; stage 2 has no bf16 gradient copy (18P)
+    assert _states(config, None, nproc=1, zero_stage=1) == 20 * P
+    assert _states(config, None, nproc=1, zero_stage=2) == 18 * P
     with pytest.raises(UserError, match="offload needs ZeRO stage 1, 2 or 3"):
         _states(config, None, nproc=8, zero_stage=0, offload=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_deepspeed_accumulates_in_fp32_in_the_buffers_the_plan_counts(tmp_path):
+    """Two ranks of real DeepSpeed (CPU, gloo) with the workflow's config in bf16, one step of two micro-steps:
+    the micro-steps are summed in fp32 at every ZeRO stage, in the buffers the plan's gradient bytes count
+    (stage 1 BF16_Optimizer: the whole model; 2 and 3: each rank's half, with no bf16 partition beside it)."""
+    from mla.training.config import TrainConfig, resolve
+
+    port = str(29500 + os.getpid() % 1000)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                        str(ROOT / "tests/deepspeed_buffers.py"), str(tmp_path), "1,2,3"],
+                       capture_output=True, text=True, timeout=380, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for stage, seen in report.items():
+            P, L, n = seen["parameters"], seen["largest_parameter"], seen["world_size"]
+            assert seen["grad_accum_dtype"] == "torch.float32" and seen["dtypes"] == ["torch.float32"], (stage, seen)
+            assert seen["bf16_partition_elements"] is None, seen   # no bf16 gradient partition is kept
+            held = {"1": P, "2": P // n, "3": P // n}[stage]
+            assert held <= seen["elements"] <= held + 64, (stage, seen)   # up to alignment padding
+            plan = memory.model_states(P, L, gpus_per_node=n, nodes=1, zero_stage=int(stage), offload=False,
+                                       precision="bf16")["gradients"]
+            fp32 = 4 * seen["elements"]
+            counted = {"1": 2 * P + fp32, "2": fp32, "3": 2 * fp32 + 2 * L}[stage]
+            assert abs(plan - counted) <= 4 * 64 * 2, (stage, plan, counted)
+        assert report["1"]["optimizer"] == "BF16_Optimizer"
+    # ZeRO stage 0 has no fp32 accumulation in DeepSpeed 0.19.8: bf16 with accumulation is refused in one line
+    with pytest.raises(UserError, match=r"--zero-stage 0 \(train.zero_stage\) with bf16 and 4 accumulation steps"):
+        resolve(TrainConfig(model="m", data="d", out="o", zero_stage=0, precision="bf16", micro_batch=1,
+                            global_batch=4))
+    resolve(TrainConfig(model="m", data="d", out="o", zero_stage=0, precision="bf16", micro_batch=4, global_batch=4))
 
 
 def test_buffers_are_the_workflow_deepspeed_buckets():
@@ -192,7 +236,7 @@ def test_plan_cli_training_mode_paper_jobs():
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     P = 6_738_415_616
-    assert (plan["params_bytes"], plan["gradients_bytes"], plan["optimizer_bytes"]) == (2 * P, 6 * P // 8, 12 * P // 8)
+    assert (plan["params_bytes"], plan["gradients_bytes"], plan["optimizer_bytes"]) == (2 * P, 4 * P // 8, 12 * P // 8)
     assert plan["total_bytes"] == (plan["params_bytes"] + plan["gradients_bytes"] + plan["optimizer_bytes"]
                                    + plan["activations_bytes"] + plan["buffers_bytes"])
     assert plan["fits"] is True and plan["usable_bytes"] == 72 * 10**9
@@ -236,7 +280,7 @@ def test_distillation_and_attention_only_by_hand():
     plain = memory.plan_training(config, **common)
     plan = memory.plan_training(config, **common, trainable="attention", teacher_params=memory.teacher_parameters(config))
     assert (plan["model"]["trainable_parameters"], plan["model"]["teacher_parameters"]) == (Pt, P)
-    assert (plan["params_bytes"], plan["gradients_bytes"], plan["optimizer_bytes"]) == (2 * P, 6 * Pt // 8, 12 * Pt // 8)
+    assert (plan["params_bytes"], plan["gradients_bytes"], plan["optimizer_bytes"]) == (2 * P, 4 * Pt // 8, 12 * Pt // 8)   # fp32 accumulation partition
     assert plan["teacher_bytes"] == 2 * P
     bsv = 2048 * 32000
     extra = plan["breakdown"]["activations"]["distillation"]
@@ -249,7 +293,8 @@ def test_distillation_and_attention_only_by_hand():
                                    + plan["teacher_bytes"] + plan["activations_bytes"] + plan["buffers_bytes"])
     # offloaded: the host holds 16 bytes per trainable parameter; ZeRO-3 partitions every parameter, trains P_t
     off = memory.plan_training(config, **dict(common, zero_stage=1), offload=True, trainable="attention")
-    assert off["gradients_bytes"] == 2 * Pt and off["breakdown"]["host_bytes_per_node"] == 16 * Pt
+    assert off["gradients_bytes"] == 2 * Pt + 4 * Pt   # bf16 gradients + the fp32 accumulation buffer
+    assert off["breakdown"]["host_bytes_per_node"] == 16 * Pt
     z3 = memory.plan_training(config, **dict(common, zero_stage=3), trainable="attention")
     assert z3["params_bytes"] == 2 * P // 8 + 2 * memory.largest_module_params(shapes.shape_of(config))
     assert z3["optimizer_bytes"] == 12 * Pt // 8
@@ -364,22 +409,32 @@ def test_gpu_check_skips_without_cuda(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
-    """The GPU check's code on tiny shapes on the CPU: Trainer steps, the plan against the allocator (activations
-    and DeepSpeed ZeRO-2's own model states), and absorbed-MLA decode beside S(B,T)."""
+    """The GPU check's code on tiny shapes on the CPU, started from another folder without PYTHONPATH (its
+    subprocesses find this checkout): the GPU test tier collected and skipped, Trainer steps (fp32 load and
+    accumulation on the CPU), the plan against the allocator (activations, and DeepSpeed ZeRO-2's own model states
+    in bf16 with fp32 accumulation), and absorbed-MLA decode beside S(B,T)."""
     out = tmp_path / "gpu-check.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu-check"), "--device", "cpu", "--tiny", "--out",
                         str(out), "--workdir", str(tmp_path / "work")],
-                       capture_output=True, text=True, timeout=580, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=580, env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(out.read_text())
+    assert s["status"] == "ok" and s["errors"] == {} and s["parts"] == ["t", "b", "c", "a"]
+    assert Path(s["package"]).resolve() == (ROOT / "mla/__init__.py").resolve()
+    tests = s["gpu_tests"]   # no CUDA here: every test of the tier collected and skipped, none failed
+    assert tests["skipped"] == len(tests["cases"]) >= 8 and tests["failed"] == tests["error"] == 0
+    assert all("CUDA" in c["message"] for c in tests["cases"])
     t = s["training"]
     assert t["tokens_per_second"] > 0 and len(t["losses"]) == t["steps"]
     # MFU's FLOPs per token of the tiny SmolLM shape at 64 tokens: 6·N + 12·L·n_h·d_h·s, by hand
     n = 512 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 192 + 2 * 64) + 64      # tied: 131,392
     assert t["flops_per_token"]["total_flops"] == 6 * n + 12 * 2 * 4 * 16 * 64 == 886_656
     assert all(0 < loss < 20 for loss in t["losses"])
+    assert (t["loaded_dtype"], t["grad_accum_dtype"], t["accumulation"]) == ("float32", "float32", 2)
     for row in s["activations"]["rows"]:
         assert abs(row["measured_over_plan"] - 1) < 0.08, row
+    assert s["model_states"]["precision"] == "bf16"
     ratios = s["model_states"]["measured_over_plan"]
     for key in ("params_bytes", "initialize_bytes", "first_step_kept_bytes", "steady_state_bytes"):
         assert abs(ratios[key] - 1) < 0.01, (key, s["model_states"])
@@ -439,3 +494,34 @@ def test_peak_is_looked_up_by_whole_words_of_the_gpu_name(name, peak):
 
     assert peak_flops(name) == peak
     assert peak_flops(name, override_tflops=100) == 100e12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_check_records_a_failed_part_and_goes_on(tmp_path):
+    """A part that raises is recorded (type and message) and the next part runs; the JSON is written after each
+    part, so a process killed in a later part leaves the earlier ones on disk."""
+    import signal
+    import time
+
+    out = tmp_path / "gpu-check.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/gpu-check"), "--device", "cpu", "--tiny",
+                             "--parts", "c,a", "--decode-d-kv", "0", "--out", str(out),
+                             "--workdir", str(tmp_path / "work")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            s = json.loads(out.read_text()) if out.is_file() else {}
+            if "c" in s.get("timings_s", {}):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]   # part a is still running
+        assert s["status"] == "failed" and "decode" not in s and "training" not in s
+        assert "kv_lora_rank must be positive" in s["errors"]["c"]["error"]
+        assert "Traceback" in s["errors"]["c"]["traceback"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)   # its own group: gpu-check and part a's `mla train`
+        proc.communicate()
+    assert json.loads(out.read_text())["errors"].keys() == {"c"}   # what was written survives the kill

@@ -294,3 +294,92 @@ def test_sbatch_options_of_a_two_node_gpu_job(cluster, tmp_path):
     call = get_submit_command(job, params) + set_gres_string(job)
     assert "--nodes=1" in call and "--gpus=8" in call, call
     assert "--gres" not in call and "--ntasks-per-gpu" not in call, call
+
+
+def _seconds(text: str) -> int:
+    """SLURM durations: [D-]HH:MM:SS or MM:SS."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return (int(days) if days else 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+@pytest.mark.timeout(1800)
+def test_a_run_cut_by_its_time_limit_resumes_in_the_next_submission(cluster, tmp_path):
+    """A fine-tuning run longer than its SLURM job: the rule asks for the planned time (train.gpu_tokens_per_second,
+    max_job_hours) and the planned resubmissions; once the first job has trained 50 steps its time limit is lowered
+    to end 70-130 s later (`scontrol update`, as an administrator would); `mla train` reads the new end within
+    30 s and stops with a checkpoint a minute before it (exit status 75: the job FAILS, it is not killed at
+    TIMEOUT), Snakemake submits the job again, and the second job resumes from that checkpoint and finishes:
+    every step once, one MLflow run, the resume folder deleted. 10,000 tiny steps: the first job cannot finish
+    them at the ~70 steps/s of an idle machine, and the second can at the ~10 steps/s of a busy one."""
+    state, env = cluster
+    work, profile = tmp_path / "work", test_profile(tmp_path)
+    work.mkdir()
+    steps = 10_000
+    config = yaml.safe_load(SMOKE.read_text())
+    # periodic checkpoints as in the paper's recipe (each also flushes its rows to MLflow: the stop margin
+    # learns how long saving takes from them)
+    config["train"].update(steps=steps, save_steps=500, gpu_tokens_per_second=1e6, max_job_hours=1)
+    config["data"]["max_tokens"] = None                      # 10,000 steps x 2 x 32 tokens, more than the smoke's cap
+    configfile = tmp_path / "long.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    v = smoke_variant("gqa2mla", "baseline", config)        # needs only the download and data jobs before it
+    # the test profile, but the finetune rule's own runtime (the plan) and retries
+    prof = yaml.safe_load((profile / "config.yaml").read_text())
+    prof["set-resources"]["finetune"].pop("runtime")
+    (tmp_path / "profile-planned").mkdir()
+    (tmp_path / "profile-planned/config.yaml").write_text(yaml.safe_dump(prof))
+    from mla.study.config_schema import validated
+    from mla.training import walltime
+
+    plan = walltime.variant_plan(validated(config), v)
+    assert (plan.jobs, plan.retries) == (1, 1)                # one job planned, one spare submission
+
+    before = set(squeue_jobs(env))
+    timeout = 1500
+    cmd = ["timeout", "-s", "KILL", str(timeout), sys.executable, "-m", "snakemake", "-s",
+           str(ROOT / "Snakefile"), "-d", str(work), "--configfile", str(configfile), "--profile",
+           str(tmp_path / "profile-planned"), f"{v.run_dir}/run.json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**env, "OMP_NUM_THREADS": "1"})
+    ckpt_root = work / f"results/checkpoints/{v.model}/{v.start}/{v.recipe}"
+    first, limit_before, deadline = None, None, time.time() + 600
+    while first is None and time.time() < deadline and proc.poll() is None:
+        running = [i for i, (s, c) in squeue_jobs(env).items()
+                   if i not in before and s == "RUNNING" and c.startswith("rule_finetune")]
+        trained = sum(len(f.read_text().splitlines()) - 1 for f in ckpt_root.glob("*/metrics.csv"))
+        if running and trained >= 50:
+            # the job now ends 70-130 s from here; mla train sees it within 30 s and stops a minute before
+            first = running[0]
+            record = scontrol_job(first, env)
+            limit_before = record["TimeLimit"]
+            minutes = (_seconds(record["RunTime"]) + 70) // 60 + 1
+            subprocess.run(["scontrol", "update", f"JobId={first}", f"TimeLimit={minutes}"], env=env, check=True)
+        time.sleep(0.5)
+    out, _ = proc.communicate(timeout=timeout + 60)
+    assert first is not None, "no finetune job ran:\n" + out[-4000:]
+    assert proc.returncode == 0, out[-6000:]
+    assert _seconds(limit_before) == 60 * plan.minutes(1)      # the planned SLURM time, not the profile's
+
+    jobs = {i: c for i, (_, c) in squeue_jobs(env).items() if i not in before and c.startswith("rule_finetune")}
+    assert len(jobs) == 2 and first == min(jobs, key=int), jobs
+    cut, resumed = (scontrol_job(j, env) for j in sorted(jobs, key=int))
+    # stopped by mla train before the lowered limit: FAILED with status 75, not TIMEOUT
+    assert cut["JobState"] == "FAILED", cut
+    start, end = (time.mktime(time.strptime(cut[k], "%Y-%m-%dT%H:%M:%S")) for k in ("StartTime", "EndTime"))
+    assert end - start < _seconds(cut["TimeLimit"]), cut
+    assert resumed["JobState"] == "COMPLETED" and _seconds(resumed["TimeLimit"]) == 60 * plan.minutes(2)
+
+    info = json.loads((work / v.run_dir / "run.json").read_text())
+    stop_step = int(info["resumed_from"].rsplit("-", 1)[1])
+    assert 1 <= stop_step < steps, info["resumed_from"]
+    rows = list(csv.DictReader(open(work / v.run_dir / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(tracking_uri=f"sqlite:///{work}/results/mlflow.db").get_metric_history(
+        info["mlflow_run_id"], "loss")
+    assert sorted(m.step for m in history) == list(range(1, steps + 1))
+    assert list(ckpt_root.iterdir()) == []                     # deleted once the run succeeded

@@ -1,8 +1,18 @@
-"""MLflow conventions: one run per name, params once, batched step metrics, tags, re-attach, rank 0 only."""
+"""MLflow conventions: one run per name, params once, batched step metrics, tags, re-attach, rank 0 only; and the
+cluster setup of docs/cluster.md: the workflow logging to a real `mlflow server`."""
 
 from __future__ import annotations
 
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+import yaml
 
 from mla.study import tracking
 
@@ -67,3 +77,99 @@ def test_large_batches_are_split(uri):
                                        for s in range(400)])  # 1200 points > one log_batch
     client = MlflowClient(tracking_uri=uri)
     assert len(client.get_metric_history(run_id, "grad_norm")) == 400
+
+
+# ---------------------------------------------------------------- the cluster setup: an MLflow server
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` with its own backend store (sqlite on its local disk) and artifact root, as
+    docs/cluster.md starts it; stopped by its process group at the end."""
+    import signal
+    import socket
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    (root / "store").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/store/mlflow.db",
+           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, (root / "server.log").read_text()[-3000:]
+            time.sleep(1)
+        yield uri, root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)   # the server's own group: uvicorn and its workers
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_workflow_logs_its_runs_to_an_mlflow_server(mlflow_server, tmp_path):
+    """The smoke workflow, cut to one converted variant, with `mlflow.tracking_uri` = the server's URL: the
+    fine-tuning run, its loss history, its tags (model, variant, recipe, rule, commit; the table's study tag),
+    params, the evaluation's metrics and the artifacts all reach the server; no sqlite file and no lock file
+    appear beside the results (the lock is for sqlite stores only)."""
+    from mlflow.tracking import MlflowClient
+
+    from mla.study import experiments
+    from mla.study.config_schema import validated
+
+    uri, server_root = mlflow_server
+    cfg = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
+    cfg["mlflow"] = {"experiment": "cluster-smoke", "tracking_uri": uri}
+    cfg["experiments"] = {"gqa2mla": {**cfg["experiments"]["gqa2mla"], "d_kv": [8], "baseline": False}}
+    cfg["evaluate"].update(mmlu=0, kv_bits=[], needle_lengths=[], decode_grid=[])
+    configfile = tmp_path / "server.yaml"
+    configfile.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile",
+           str(configfile), "--profile", str(ROOT / "workflow/profiles/local"), "--cores", "2",
+           "results/tables/gqa2mla.csv"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=840,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+
+    [v] = experiments.Study(validated(cfg)).variants
+    info = json.loads((work / v.run_dir / "run.json").read_text())
+    assert info["tracking_uri"] == uri
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(info["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == f"{v.model}/{v.start}/{v.recipe}"
+    tags = run.data.tags
+    assert (tags["model"], tags["variant"], tags["recipe"], tags["snakemake_rule"]) == \
+        (v.model, v.start, v.recipe, "finetune")
+    assert len(tags["git_commit"]) == 40 and tags[f"study.{v.experiment}"] == v.label
+    assert run.data.params["steps"] == str(cfg["train"]["steps"]) and run.data.params["zero_stage"] == "2"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, cfg["train"]["steps"] + 1))
+    rows = list(csv.DictReader(open(work / v.run_dir / "metrics.csv")))
+    assert {m.step: m.value for m in history} == pytest.approx({int(r["step"]): float(r["loss"]) for r in rows})
+    assert "eval/perplexity" in run.data.metrics
+    # artifacts went through the server to its artifact root, not to the jobs' file system
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"metrics.csv", "run.json"} <= names, names
+    stored = {p.name for p in (server_root / "artifacts").rglob("*") if p.is_file()}
+    assert {"metrics.csv", "run.json"} <= stored
+    assert not list((work / "results").rglob("mlflow.db*")) and not list((work / "results").rglob("*.lock"))

@@ -61,6 +61,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
 
     info = json.loads((inputs / "resumed" / "run.json").read_text())
     assert info["resumed_from"].endswith(f"checkpoint-{SAVE}") and info["resumed_universal"] is False
+    assert (info["loaded_dtype"], info["grad_accum_dtype"]) == ("float32", "float32")   # fp32 on the CPU
     assert info["checkpointed_layers"] == 2  # both decoder layers of the tiny model recompute
     assert json.loads((inputs / "full" / "run.json").read_text())["checkpointed_layers"] == 0
     assert info["tags"] == {"model": "mla", "variant": "d_kv8", "d_kv": 8}
@@ -104,6 +105,8 @@ def test_nan_loss_stops_with_the_step(inputs):
     (["--nodes", "0"], "--nodes must be >= 1"),
     (["--checkpoint-dir", "a", "--checkpoint-root", "b"], "exclude each other"),
     (["--callback", "fault_injection"], "callbacks must be a list of MODULE:NAME"),
+    (["--zero-stage", "0", "--precision", "bf16", "--micro-batch", "2", "--grad-accum", "2"],
+     "--zero-stage 0 (train.zero_stage) with bf16 and 2 accumulation steps"),
 ])
 def test_bad_configs_fail_before_any_work(inputs, tmp_path, capsys, flags, message):
     out = tmp_path / "run"
@@ -177,6 +180,9 @@ def test_deepspeed_config_is_explicit_where_it_matters(tmp_path):
     cfg.deepspeed = str(override)
     merged = deepspeed_config(cfg, cuda=False)
     assert merged["wall_clock_breakdown"] is True
+    # under ZeRO the micro-batches are summed in fp32; stage 0 has no such mode (bf16 accumulation is refused)
+    assert cpu["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in deepspeed_config(resolve(TrainConfig(model="m", data="d", out="o", zero_stage=0)), True)
     assert merged["zero_optimization"]["reduce_bucket_size"] == 7 and merged["zero_optimization"]["stage"] == 3
 
 
@@ -272,3 +278,32 @@ def test_deepspeed_applies_no_decay_to_norms(inputs):
         assert torch.allclose(trained[name], grouped[name], atol=1e-6), name
     norm = "model.layers.1.post_attention_layernorm.weight"
     assert (trained[norm] - flat[norm]).abs().max().item() > 1e-3  # decay would have shown
+
+
+@pytest.mark.timeout(400)
+def test_bf16_training_loads_bf16_and_sums_micro_batches_in_fp32(inputs, tmp_path):
+    """bf16 on the CPU (slow there, tiny here): every rank loads the start model in bf16, and DeepSpeed's ZeRO-2
+    accumulates the 2 micro-batches of each step in fp32; DeepSpeed's accumulated gradient of two bf16
+    micro-batches has cosine >= 0.999 and norm within 1 % of the fp32 one (a lost micro-batch: ~0.7), its fp32
+    masters after one AdamW step within 2 lr per weight (tests/zero_step.py; tests/test_gpu.py runs it on CUDA)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = train(inputs, "bf16", "--precision", "bf16", "--zero-stage", "2", "--steps", "2", "--warmup-steps", "0",
+                 "--decay-steps", "0", "--no-mlflow")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((inputs / "bf16" / "run.json").read_text())
+    assert (info["precision"], info["loaded_dtype"], info["grad_accum_dtype"]) == ("bf16", "bfloat16", "float32")
+    assert info["config"]["grad_accum"] == 2
+
+    out = tmp_path / "zero-step.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "zero_step.py"), str(out), "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert (s["model_dtype"], s["grad_accum_dtype"], s["master_dtype"]) == \
+        ("torch.bfloat16", "torch.float32", "torch.float32"), s
+    assert s["grad_cosine"] >= 0.999 and abs(s["grad_norm_ratio"] - 1) <= 0.01, s
+    assert s["first_micro_batch_cosine"] < 0.99, s
+    assert s["max_master_diff_in_lr"] <= 2.01 and s["mean_master_diff_in_lr"] <= 0.02, s

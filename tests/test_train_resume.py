@@ -118,6 +118,13 @@ def test_layout_is_inferred_from_deepspeed_files_without_the_record(tmp_path):
     for r in range(4):
         (ckpt / "global_step5" / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt").write_bytes(b"")
     assert saved_layout(ckpt) == {"world_size": 4, "zero_stage": 3}
+    # a bf16 run's optimizer shards carry DeepSpeed's bf16_ prefix
+    bf16 = tmp_path / "checkpoint-7"
+    (bf16 / "global_step7").mkdir(parents=True)
+    (bf16 / "latest").write_text("global_step7")
+    for r in range(2):
+        (bf16 / "global_step7" / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert saved_layout(bf16) == {"world_size": 2, "zero_stage": None}
 
 
 def test_incompatible_resume_stops_in_one_line_before_any_work(model, tmp_path):

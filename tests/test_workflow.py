@@ -1,6 +1,7 @@
 """The smoke workflow end to end with the local profile: every output appears, a second run does
-nothing, changing one d_kv's setting reruns only what depends on it, and renaming (labels, panels, the
-MLflow experiment and tracking URI) reruns only the figure and tables."""
+nothing, changing one d_kv's setting reruns only what depends on it, changing how runs are launched reruns
+nothing, and renaming (labels, panels, the MLflow experiment and tracking URI) reruns only the figure and
+tables."""
 
 from __future__ import annotations
 
@@ -193,6 +194,36 @@ def test_second_run_does_nothing_and_a_changed_d_kv_reruns_only_its_jobs(smoke_r
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in untouched.items())  # nothing else was rewritten
     conv = json.loads((work / new.convert_dir / "conversion.json").read_text())
     assert conv["r"] == 2  # the new setting reached the conversion
+
+
+def test_launch_settings_rerun_nothing_and_reach_the_next_job(smoke_run, tmp_path):
+    """nproc, micro batch, ZeRO stage, offload, checkpointing and the save interval say how a run is launched, not
+    what it computes: after a finished run, changing them plans no job (they are a resource read when a job
+    starts, not a param); a job run again gets them on its command line. The load and accumulation dtypes of
+    the smoke's fp32 runs are recorded."""
+    work, _ = smoke_run
+    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg["train"].update(nproc=2, micro_batch_size=1, zero_stage=1, offload_optimizer=True,
+                        gradient_checkpointing=True, save_steps=1, gpu_tokens_per_second=1000, max_job_hours=2)
+    launched = tmp_path / "launched.yaml"
+    launched.write_text(yaml.safe_dump(cfg))
+    assert {v.recipe for v in smoke_study(cfg).variants} == {v.recipe for v in smoke_study().variants}
+    plan = snakemake(work, "-n", configfile=launched)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
+    # no training, evaluation or anything upstream (the figure and tables may follow an earlier test's config)
+    rules = {rule for rule, _ in planned_jobs(plan.stdout + plan.stderr)}
+    assert rules <= {"table", "plot", "all"}, (plan.stdout + plan.stderr)[-3000:]
+    v = smoke_study().variants[0]
+    forced = snakemake(work, "-n", "-p", "--forcerun", "finetune", f"{v.run_dir}/run.json", configfile=launched)
+    assert forced.returncode == 0, (forced.stdout + forced.stderr)[-3000:]
+    lines = [ln for ln in (forced.stdout + forced.stderr).splitlines() if " mla train " in ln]
+    assert lines, (forced.stdout + forced.stderr)[-3000:]
+    line = lines[-1]
+    for flag in ("--nproc 2", "--micro-batch 1", "--zero-stage 1", "--offload True", "--gradient-checkpointing True",
+                 "--save-steps 1", f"--steps {cfg['train']['steps']}", "--global-batch 2"):
+        assert flag in line, (flag, line)
+    info = json.loads((work / v.run_dir / "run.json").read_text())
+    assert (info["loaded_dtype"], info["grad_accum_dtype"]) == ("float32", "float32")
 
 
 def test_renaming_reruns_only_the_figure_and_tables(smoke_run, tmp_path):

@@ -36,11 +36,12 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from mla.training import launch
-    from mla.training.config import check_inputs, parse_options, use_cuda
+    from mla.training.config import check_accumulation, check_inputs, parse_options, resolved_precision, use_cuda
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else None
     cfg = parse_options(args.verb_args, world)
     cuda = use_cuda(cfg)  # --device cuda without CUDA: one line, before anything is loaded
+    check_accumulation(cfg, resolved_precision(cfg, cuda))  # --precision auto: bf16 is known only now
     if launch.under_launcher():  # a worker started by torchrun: the launcher has prepared everything
         return _train_here(cfg, check_inputs(cfg), cuda)
 
@@ -56,13 +57,27 @@ def run(args) -> int:
         rc = _train_here(cfg, manifest, cuda)
     else:
         config_path = _write_launch_config(cfg)
-        rc = (launch.launch_nodes(config_path, job, cfg.nproc, cfg.master_port) if job
+        rc = (launch.launch_nodes(config_path, job, cfg.nproc, cfg.master_port, cuda) if job
               else launch.relaunch(config_path, cfg.nproc, cfg.master_port))
+    if rc == 0:
+        rc = _stopped_for_time_limit(cfg)
     if rc == 0 and managed:  # the run is complete: its checkpoints (GBs of fp32 + Adam states) go
         from mla.training.resume import remove_after_success
 
         remove_after_success(cfg.checkpoint_dir)
     return rc
+
+
+def _stopped_for_time_limit(cfg) -> int:
+    """EXIT_STOPPED when the run stopped with a checkpoint before its SLURM job's time limit, else 0."""
+    from mla.training.timelimit import EXIT_STOPPED, stopped_step
+
+    step = stopped_step(cfg.checkpoint_dir)
+    if step is None:
+        return 0
+    print(f"mla train: stopped after step {step} of {cfg.steps} before the SLURM job's time limit; the checkpoint "
+          f"is in {cfg.checkpoint_dir} and the same command resumes from it", file=sys.stderr, flush=True)
+    return EXIT_STOPPED
 
 
 def _keyed_checkpoint_dir(cfg, manifest: dict, cuda: bool) -> None:
@@ -103,7 +118,7 @@ def _train_here(cfg, manifest: dict, cuda: bool) -> int:
     from mla.training.trainer import run_training
 
     info = run_training(cfg, manifest)
-    if is_rank_zero():
+    if is_rank_zero() and "stopped_at_step" not in info:
         print(f"{cfg.out}: {info['steps']} steps, {info['tokens']} tokens, final loss "
               f"{info['train_loss']}, MLflow run {info['mlflow_run_id']} ({info['run_name']})")
     return 0

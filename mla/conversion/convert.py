@@ -370,11 +370,23 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
     report["scores_file"] = str(scores_path) if scores_path else None
     mla_model.config.mha2mla["source"] = str(src)
 
+    if stored_dtype(config) == "bfloat16":  # computed in fp32, written as the source was: bf16 trains in bf16
+        mla_model.to(torch.bfloat16)
+        mla_model.config.dtype = torch.bfloat16
+    report["saved_dtype"] = str(next(mla_model.parameters()).dtype).removeprefix("torch.")
+
     with atomic.staged(out, folder=True) as tmp:
         mla_model.save_pretrained(tmp)
         checkpoint.copy_tokenizer_files(src, tmp)
         (tmp / "conversion.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def stored_dtype(config: dict) -> str | None:
+    """The dtype a checkpoint's config.json says its weights are stored in (`dtype`; `torch_dtype` before
+    transformers 5), e.g. "bfloat16"; None when it does not say."""
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value).removeprefix("torch.") if value else None
 
 
 def main_report_line(report: dict) -> str:

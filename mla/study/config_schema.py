@@ -108,6 +108,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     from mla.study.layout_check import layout_errors
     from mla.training.config import workflow_train_error
     from mla.training.memory import memory_errors
+    from mla.training.walltime import walltime_errors
 
     errors = []
     models = cfg["models"]
@@ -136,7 +137,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
         message = workflow_train_error(v.train)
         if message:
             errors.append((where, message))
-    for check in (layout_errors, budget_errors, memory_errors, kv_group_errors):
+    for check in (layout_errors, budget_errors, memory_errors, kv_group_errors, walltime_errors):
         if not errors:
             errors += check(cfg)
     return list(dict.fromkeys(errors))  # one message per key

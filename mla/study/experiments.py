@@ -38,7 +38,7 @@ from mla.study.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).
 LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
-               "save_steps", "device", "gpu_memory_gb")
+               "save_steps", "device", "gpu_memory_gb", "gpu_tokens_per_second", "max_job_hours")
 VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "svd", "whiten", "latent", "kv_width", "rope_share", "steps", "lr",
                 "distill", "trainable", "label", "paper", "fit")
 RUN_SETTINGS = ("steps", "lr", "distill", "trainable")    # per-variant changes to the training recipe

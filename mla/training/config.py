@@ -179,6 +179,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError("optimizer offload needs ZeRO stage 1, 2 or 3")
     if cfg.precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"precision must be auto, bf16 or fp32, got {cfg.precision!r}")
+    check_accumulation(cfg, cfg.precision)
     if cfg.save_steps <= 0 or cfg.log_steps <= 0:
         raise UserError("save_steps and log_steps must be > 0")
     if cfg.clip < 0 or cfg.weight_decay < 0:
@@ -308,6 +309,15 @@ def use_cuda(cfg: TrainConfig) -> bool:
     from mla.devices import resolve_device
 
     return resolve_device(cfg.device, flag="--device", config_key="train.device").type == "cuda"
+
+
+def check_accumulation(cfg: TrainConfig, precision: str) -> None:
+    """bf16 with gradient accumulation needs ZeRO: only there does DeepSpeed 0.19.8 sum the micro-batches in
+    fp32 (mla.training.deepspeed_config); at stage 0 they would be summed in bf16."""
+    if precision == "bf16" and cfg.zero_stage == 0 and cfg.grad_accum > 1:
+        raise UserError(f"--zero-stage 0 (train.zero_stage) with bf16 and {cfg.grad_accum} accumulation steps: "
+                        "DeepSpeed sums the micro-batches in fp32 only under ZeRO (stage 0 would add them in "
+                        "bf16); use --zero-stage 1, 2 or 3, or --precision fp32")
 
 
 def resolved_precision(cfg: TrainConfig, cuda: bool) -> str:

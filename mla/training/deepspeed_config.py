@@ -5,6 +5,13 @@ accumulation, lr, weight decay, bf16), explicit values for the rest.
 There is no `"optimizer"` block: the Trainer creates AdamW with two parameter groups
 (`mla.training.optimizer`) and DeepSpeed wraps it. With a block, transformers 5.24 passes DeepSpeed one
 flat parameter list and weight decay would reach norms and biases.
+
+`data_types.grad_accum_dtype: fp32` under ZeRO: with bf16 the micro-batches of one optimizer step are summed
+in fp32 (DeepSpeed's default is the model dtype: the paper's Llama-2-7B recipe would add 32 bf16 gradients,
+each addition rounding to 8 bits of mantissa). Stage 1 then runs DeepSpeed's BF16_Optimizer, stages 2 and 3
+accumulate into an fp32 gradient partition (mla.training.memory counts both). Stage 0 has no fp32
+accumulation in DeepSpeed 0.19.8 (`NotImplementedError` for the mix), so the key is left out there and
+mla.training.config refuses bf16 with accumulation at stage 0. With fp32 training the key changes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ def deepspeed_config(cfg, cuda: bool) -> dict:
         "gradient_clipping": cfg.clip,
         "zero_optimization": zero,
         "bf16": {"enabled": "auto"},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.zero_stage > 0 else {}),
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
         # offload on a CPU-only machine: torch AdamW (DeepSpeedCPUAdam would need a 2-minute C++ build)

@@ -7,7 +7,9 @@
 - `--nodes N > 1`: only inside a SLURM job of exactly N nodes (else one line saying so). One launcher
   per node: `srun --overlap --nodes N --ntasks-per-node 1 torchrun --nnodes N --nproc-per-node P
   --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID`, HOST being the node this command
-  runs on (the job's first node when the workflow runs it). World size N x P.
+  runs on (the job's first node when the workflow runs it). World size N x P. On CUDA the step asks for
+  `--gres=gpu:P` on each node, as the job did (the finetune rule's `gres`): a step that names no GPUs
+  gets none of the job's, and torchrun's P processes would find no device.
   Why these srun flags: Snakemake's slurm-jobstep executor runs the rule inside `srun -n1` (a step on
   one node that holds its CPUs), and removes every SLURM_* variable but the job id. A nested step
   that spans the job's nodes therefore has to be described in full (nodes, tasks, CPUs per task, read
@@ -146,13 +148,16 @@ def rendezvous_endpoint(job: SlurmJob, port: int | None) -> str:
     return f"{node_address(job.nodes[0])}:{port or 20000 + int(job.job_id) % 20000}"
 
 
-def srun_command(job: SlurmJob, launcher: list[str]) -> list[str]:
-    """One `launcher` per node of the job, as a step overlapping the step this runs in."""
+def srun_command(job: SlurmJob, launcher: list[str], gpus_per_node: int = 0) -> list[str]:
+    """One `launcher` per node of the job, as a step overlapping the step this runs in; with
+    `gpus_per_node` the step takes that many of the job's GPUs on each node."""
     n = len(job.nodes)
     cmd = ["srun", f"--jobid={job.job_id}", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
            "--kill-on-bad-exit=1", "--export=ALL"]
     if job.cpus_per_task:
         cmd.append(f"--cpus-per-task={job.cpus_per_task}")
+    if gpus_per_node:
+        cmd.append(f"--gres=gpu:{gpus_per_node}")
     return cmd + launcher
 
 
@@ -164,11 +169,11 @@ def step_environment() -> dict:
     return env
 
 
-def launch_nodes(config_path: Path, job: SlurmJob, nproc: int, port: int | None) -> int:
-    """`srun` one torchrun per node of `job`; returns srun's exit status."""
+def launch_nodes(config_path: Path, job: SlurmJob, nproc: int, port: int | None, cuda: bool) -> int:
+    """`srun` one torchrun per node of `job` (with `nproc` GPUs each on CUDA); returns srun's exit status."""
     endpoint = rendezvous_endpoint(job, port)
     launcher = torchrun_command(config_path, nproc, nnodes=len(job.nodes), endpoint=endpoint, rdzv_id=job.job_id)
-    cmd = srun_command(job, launcher)
+    cmd = srun_command(job, launcher, gpus_per_node=nproc if cuda else 0)
     print(f"mla train: {len(job.nodes)} nodes x {nproc} processes, rendezvous {endpoint}: {' '.join(cmd)}",
           file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=step_environment())

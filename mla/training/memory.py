@@ -4,25 +4,36 @@ Pure arithmetic on the model config (no torch import), so `mla plan --train` and
 check can run it before any job. All sizes are bytes; "GB" is 10^9 bytes.
 
 Model states (P = every parameter once, output head included, a tied head counted once; N = GPUs in the
-job = nproc x nodes), as DeepSpeed 0.19.8 holds them with bf16 mixed precision:
+job = nproc x nodes), as DeepSpeed 0.19.8 holds them with bf16 mixed precision and our config's
+`data_types.grad_accum_dtype: fp32` (mla.training.deepspeed_config: the micro-batches of one optimizer step
+are summed in fp32, not in bf16):
 
     stage        params            gradients                  optimizer (fp32 master + Adam m, v)
-    0            2P                2P (bf16) + 4P (fp32)      4P + 8P
-    1            2P                2P (bf16) + 4P/N (fp32)    (4P + 8P)/N
-    2            2P                (2P + 4P)/N                (4P + 8P)/N
-    3            2P/N + 2L         4P/N + 2L                  (4P + 8P)/N
-    1, offload   2P                2P                         0          (fp32 grads, master, Adam on the CPU)
-    2, offload   2P                0                          0
+    0            2P                2P (bf16) + 4P (fp32)      4P + 8P      (no fp32 accumulation: 1 micro-step)
+    1            2P                2P (bf16) + 4P (fp32)      (4P + 8P)/N
+    2            2P                4P/N (fp32)                (4P + 8P)/N
+    3            2P/N + 2L         8P/N + 2L                  (4P + 8P)/N
+    1, offload   2P                2P (bf16) + 4P (fp32)      0          (master and Adam on the CPU)
+    2, offload   2P                4P/N (fp32)                0
     3, offload   2P/N + 2L         2L                         0
 
-L is the largest module's parameter count (the layer a ZeRO-3 rank gathers whole; for ZeRO-3 DeepSpeed's
-18P/N includes the bf16 parameter partition, so 4P/N is left for gradients). Stages 2 and 3 equal
-DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs` = 2P + 18P/N, or 2P offloaded;
-`estimate_zero3_model_states_mem_needs` = 4L + 18P/N, or 4L + 2P/N offloaded; tests/test_memory_plan.py
-checks it). Stage 0 is DeepSpeed's bf16 optimizer wrapper without partitioning (fp32 master + fp32 gradient
-flat copy, as in stage 1 with N = 1); stage 1 keeps the whole bf16 gradient (reduced at the accumulation
-boundary) and partitions the rest. fp32 training: params 4P; stage 0 is the plain optimizer (4P grads, 8P
-Adam, no master copy); stages 1-3 keep DeepSpeed's fp32 partition copy, i.e. the table with 4 for 2.
+Where the gradients live, per stage (read from DeepSpeed 0.19.8, sizes checked on 2 ranks by
+tests/test_memory_plan.py): stage 1 runs DeepSpeed's BF16_Optimizer, which keeps every bf16 gradient and an
+fp32 accumulation buffer of the whole model, partitioning only the master weights and Adam states (with
+offload it stays DeepSpeed's ZeRO optimizer, whose fp32 `grad_accum` per parameter is as large); stage 2
+reduces each micro-step's bf16 gradients in buckets straight into an fp32 partition (no bf16 partition
+is kept, and the optimizer reads the fp32 one without a copy; with offload that partition is still built on
+the GPU and copied to the CPU at the step); stage 3 keeps the fp32 partition and flattens a copy of it for the
+step (4P/N + 4P/N). L is the largest module's parameter count (the layer a ZeRO-3 rank gathers whole).
+
+DeepSpeed's own estimators assume bf16 accumulation: `estimate_zero2_model_states_mem_needs` = 2P + 18P/N
+(a 2P/N bf16 gradient partition beside the 4P/N fp32 one), 2P offloaded; `estimate_zero3_model_states_mem_needs`
+= 4L + 18P/N (the bf16 parameter partition included), 4L + 2P/N offloaded. The plan differs from them by
+exactly the fp32 accumulation: -2P/N at stage 2, +4P/N offloaded; +4P/N at stage 3 (tests/test_memory_plan.py
+checks both). Stage 0 is DeepSpeed's bf16 optimizer wrapper without partitioning (fp32 master + fp32
+gradient flat copy). fp32 training: params 4P; stage 0 is the plain optimizer (4P grads, 8P Adam, no master
+copy); stages 1-3 have no separate accumulation buffer (the gradients are already fp32) and keep DeepSpeed's
+fp32 partition copy: gradients 4P + 4P/N at stage 1, 8P/N at stage 2 (0 offloaded), 8P/N + 2L at stage 3.
 
 Buffers (not in the estimators; in `total_bytes`): the gradient-reduction buckets DeepSpeed allocates in
 full whatever the model size: ZeRO-1/2 `reduce_bucket_size` (5e8 elements, as mla.training.deepspeed_config
@@ -170,22 +181,23 @@ def model_states(P: int, largest: int, *, gpus_per_node: int, nodes: int, zero_s
         if w == 4:   # plain fp32 optimizer: no master copy, no second gradient copy
             return {"params": 4 * P, "gradients": 4 * Pt, "optimizer": ADAM_STATE_BYTES * Pt}
         return {"params": 2 * P, "gradients": 2 * Pt + 4 * Pt, "optimizer": master_adam}
-    # what DeepSpeed's estimators count as int(18P/N) in bf16: w-byte gradients + fp32 gradients + master + Adam
-    partitioned = (w + 4) * Pt + master_adam
-    optimizer = master_adam // n
+    optimizer = 0 if offload else master_adam // n
     if zero_stage == 3:
         gathered = 2 * largest      # DeepSpeed's 4L: the gathered layer's 16-bit params and gradients
         params = w * P // n + gathered
         if offload:                 # DeepSpeed: 4L + int(2P/N)
             return {"params": params, "gradients": gathered, "optimizer": 0}
-        # DeepSpeed: 4L + int(18P/N), the param partition included (the fp32 gradients exist only in the step)
-        return {"params": params, "gradients": partitioned // n - w * Pt // n - optimizer + gathered,
-                "optimizer": optimizer}
-    if offload:   # stages 1, 2: fp32 gradients, master weights and Adam states live on the CPU
-        return {"params": w * P, "gradients": w * Pt if zero_stage == 1 else 0, "optimizer": 0}
-    if zero_stage == 1:   # the whole w-byte gradient until the accumulation boundary
-        return {"params": w * P, "gradients": w * Pt + 4 * Pt // n, "optimizer": optimizer}
-    return {"params": w * P, "gradients": partitioned // n - optimizer, "optimizer": optimizer}
+        # the fp32 gradient partition the micro-steps accumulate into, and the flat fp32 copy the step reads
+        return {"params": params, "gradients": 2 * (4 * Pt // n) + gathered, "optimizer": optimizer}
+    if zero_stage == 1:
+        # bf16: every bf16 gradient plus the whole model's fp32 accumulation buffer (BF16_Optimizer, or the
+        # ZeRO optimizer's fp32 `grad_accum` with offload); fp32: the gradients and their fp32 partition copy
+        whole = w * Pt + 4 * Pt if w == 2 else 4 * Pt + (0 if offload else 4 * Pt // n)
+        return {"params": w * P, "gradients": whole, "optimizer": optimizer}
+    if w == 2:  # stage 2: the fp32 partition each micro-step's reduced gradients go to (on the GPU with offload too)
+        return {"params": w * P, "gradients": 4 * Pt // n, "optimizer": optimizer}
+    # fp32 stage 2: the gradient partition and the flat copy the step reads (offload: both on the CPU)
+    return {"params": w * P, "gradients": 0 if offload else 2 * (4 * Pt // n), "optimizer": optimizer}
 
 
 def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, offload: bool) -> int:
@@ -364,8 +376,9 @@ def plan_training(config_dict: dict, *, nproc: int, nodes: int = 1, micro_batch:
 
 
 ASSUMPTIONS = [
-    "DeepSpeed 0.19.8 ZeRO with AdamW: bf16 params/grads, fp32 gradient partition, master weights and Adam m, v; "
-    "stages 2/3 equal estimate_zero{2,3}_model_states_mem_needs",
+    "DeepSpeed 0.19.8 ZeRO with AdamW: bf16 params, gradients accumulated in fp32 (data_types.grad_accum_dtype), "
+    "fp32 master weights and Adam m, v; stage 1 = BF16_Optimizer (whole fp32 gradient buffer); stages 2/3 = "
+    "estimate_zero{2,3}_model_states_mem_needs adjusted for the fp32 accumulation",
     "buffers: gradient-reduction buckets of 5e8 elements in the model dtype (x2 with overlap_comm on GPUs; "
     "ZeRO-3: one bucket + the 5e7 prefetch bucket)",
     "activations: transformers Llama / mla.modeling MLA with SDPA (flash or memory-efficient kernel, no s x s "

@@ -139,8 +139,9 @@ def saved_layout(checkpoint: Path) -> dict:
         return json.loads(f.read_text())
     tag = (checkpoint / "latest").read_text().strip() if (checkpoint / "latest").is_file() else None
     step_dir = checkpoint / tag if tag else next(iter(sorted(checkpoint.glob("global_step*"))), checkpoint)
-    optim = list(step_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    model = list(step_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
+    # bf16 runs name their optimizer shards bf16_zero_pp_rank_* (DeepSpeed's bf16 mode, every ZeRO stage)
+    optim = list(step_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    model = list(step_dir.glob("*zero_pp_rank_*_mp_rank_00_model_states.pt"))
     if model:
         return {"world_size": len(model), "zero_stage": 3}
     if optim:

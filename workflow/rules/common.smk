@@ -13,7 +13,8 @@ from mla.study.config_schema import config_problems
 from mla.evaluation import mmlu
 from mla.kv.accounting import group_size_for
 from mla.study.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
-from mla.training.config import workflow_options
+from mla.training import walltime
+from mla.training.config import WORKFLOW_NAMES, workflow_options
 
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
 # SLURM jobs (which rerun Snakemake inside the job) use the same environment.
@@ -162,10 +163,40 @@ def finetune_gres(wc):
     return f"gpu:{train['nproc']}" if train["device"] == "gpu" and train["nodes"] > 1 else ""
 
 
-def finetune_args(wc):
-    """The recipe and how it is launched (a run shared by variants takes the first one's launch settings)."""
-    options = workflow_options(_run(wc).train)
+# `mla train` options that say how a run is launched, not what it computes (experiments.LAUNCH_KEYS under
+# their option names): they reach the job as a resource, read when it starts, like the thread count, so that
+# changing them after a run finished reruns nothing (and a killed run resumes under the new launch).
+LAUNCH_OPTIONS = {WORKFLOW_NAMES.get(k, k) for k in experiments.LAUNCH_KEYS}
+
+
+def _flags(options):
     return " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in options.items())
+
+
+def finetune_args(wc):
+    """The recipe: the rule's params, so a changed recipe reruns the job."""
+    return _flags({k: v for k, v in workflow_options(_run(wc).train).items() if k not in LAUNCH_OPTIONS})
+
+
+def finetune_launch_args(wc):
+    """How the run is launched (a run shared by variants takes the first one's launch settings)."""
+    return _flags({k: v for k, v in workflow_options(_run(wc).train).items() if k in LAUNCH_OPTIONS})
+
+
+def finetune_runtime(wc, attempt):
+    """SLURM minutes of this submission: the run's tokens at train.gpu_tokens_per_second, within
+    train.max_job_hours (mla/training/walltime.py)."""
+    return walltime.variant_plan(config, _run(wc)).minutes(attempt)
+
+
+def finetune_retries():
+    """Resubmissions the longest run needs at train.gpu_tokens_per_second (None: the profile's retries). Inside
+    a SLURM job (the jobstep executor reads this file again) none: a retry there would restart the run in the
+    allocation whose time just ran out (the job then ends at TIMEOUT); resubmitting is the submitting host's."""
+    if workflow.remote_exec:
+        return 0
+    plans = [walltime.variant_plan(config, v).retries for v in STUDY.runs().values()]
+    return max((r for r in plans if r is not None), default=None)
 
 
 # ---------------------------------------------------------------- evaluate rules

@@ -33,7 +33,7 @@ rule finetune:
         run="results/finetune/{model}/{start}/{recipe}/run.json",
     params:
         out=lambda wc: experiments.run_dir(wc.model, wc.start, wc.recipe),
-        args=finetune_args,
+        args=finetune_args,  # the recipe only: launch settings are a resource (below)
         ckpt_root=lambda wc: f"results/checkpoints/{wc.model}/{wc.start}/{wc.recipe}",
     log:
         "logs/finetune/{model}/{start}/{recipe}.log",
@@ -49,13 +49,20 @@ rule finetune:
         gres=finetune_gres,  # several nodes: --gres=gpu:nproc on each
         # torch threads per process (not a param: changing the cores must not retrain anything)
         torch_threads=lambda wc, threads: max(1, threads // STUDY.run(wc.model, wc.start, wc.recipe).train["nproc"]),
+        # nproc, nodes, micro batch, ZeRO stage, offload, checkpointing, device, save interval: read when the
+        # job starts, like the threads (a param would rerun a finished run when only its launch changes)
+        launch=finetune_launch_args,
+        # SLURM time of this submission from the plan (train.gpu_tokens_per_second, train.max_job_hours); a run
+        # longer than one job stops with a checkpoint before the limit and the next submission resumes
+        runtime=finetune_runtime,
+    retries: finetune_retries()
     shell:
         # Trainer/DeepSpeed checkpoints live outside the declared outputs, so a failed or killed job resumes:
         # `mla train` keeps them in ROOT/<key of the trajectory> (model and data contents, recipe, seed; not
         # nproc, nodes, micro batch, ZeRO stage or save interval), deletes that folder after success and
         # lists (never deletes) other folders under ROOT. See mla/training/resume.py.
         "MLA_SNAKEMAKE_RULE={rule} {MLA} train --model {input.model} --data {input.data}"
-        " --out {params.out} --checkpoint-root {params.ckpt_root} {params.args}"
+        " --out {params.out} --checkpoint-root {params.ckpt_root} {params.args} {resources.launch}"
         " --tracking-uri {TRACKING_URI:q} --experiment {MLFLOW_EXPERIMENT:q}"
         " --run-name {wildcards.model}/{wildcards.start}/{wildcards.recipe} --variant {wildcards.start}"
         " --model-name {wildcards.model} --tag recipe={wildcards.recipe}"
