@@ -127,12 +127,13 @@ def test_local_task_documents_are_true_next_lines():
     from pathlib import Path
 
     from mla.data import in_validation
+    from mla.study.options import DEFAULT_VALIDATION_FRACTION
 
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = task.load(num_docs=25)["test"]
     assert len(docs) == 25
     for doc in docs:
-        assert in_validation("python-stdlib", doc["file"], 0.05)       # held-out files only
+        assert in_validation("python-stdlib", doc["file"], DEFAULT_VALIDATION_FRACTION)  # held-out files only
         lines = [l.rstrip() for l in (root / doc["file"]).read_text(encoding="utf-8").splitlines()]
         i = doc["line"] - 1
         assert doc["choices"][doc["gold"]] == lines[i]
