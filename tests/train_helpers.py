@@ -4,6 +4,7 @@ session), `mla train` in a subprocess, and the plain single-process PyTorch refe
 from __future__ import annotations
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -50,23 +51,47 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def paper_lr_multiplier(step: int, total_steps: int, warmup_steps: int, decay_steps: int) -> float:
+    """The paper's schedule written out (mla/training/schedule.py): the factor on the peak lr at 0-based
+    scheduler step `step`: linear warmup from 0, constant, 1-sqrt decay to 0 over the last steps."""
+    if step >= total_steps:
+        return 0.0
+    if step < warmup_steps:
+        return step / warmup_steps
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    return 1.0 - math.sqrt((step - decay_start) / decay_steps)
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW's groups as the Trainer builds them: decay on what `Trainer.get_decay_parameter_names` names."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
 def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
                  clip: float = 1.0, weight_decay: float = TrainConfig.weight_decay, seed: int = TrainConfig.seed,
                  model_dir: str = "mla",
                  groups: bool = True, return_model: bool = False):
     """The reference: one process, the whole global batch per step, same data order, AdamW (with the
     recipe's parameter groups unless groups=False: then decay on everything) and schedule."""
+    from functools import partial
+
     from mla.checkpoint import load_model
     from mla.data import open_blocks
-    from mla.training.optimizer import parameter_groups
-    from mla.training.schedule import warmup_constant_sqrt_decay
     from mla.training.trainer import BlockDataset
 
     model = load_model(root / model_dir).train()
     data = BlockDataset(open_blocks(root / "data"), steps * global_batch, seed=seed)
     params = parameter_groups(model, weight_decay) if groups else model.parameters()
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    sched = warmup_constant_sqrt_decay(opt, steps, warmup, decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(paper_lr_multiplier, total_steps=steps,
+                                                           warmup_steps=warmup, decay_steps=decay))
     losses = []
     for step in range(steps):
         ids = torch.stack([data[i]["input_ids"] for i in range(step * global_batch, (step + 1) * global_batch)])
