@@ -40,7 +40,11 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def snakemake(workdir: Path, *args: str, configfile: Path = SMOKE, timeout: int = 900, env: dict | None = None):
+# a hang guard, not a speed limit: on a loaded 2-core machine the smoke run's ~28 jobs take up to ~40 minutes
+TIMEOUT = 3600
+
+
+def snakemake(workdir: Path, *args: str, configfile: Path = SMOKE, timeout: int = TIMEOUT, env: dict | None = None):
     cmd = [*SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile),
            "--profile", str(ROOT / "workflow/profiles/local"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
