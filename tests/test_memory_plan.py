@@ -82,8 +82,10 @@ def test_stage0_and_stage1_states_equal_a_deepspeed_engines(stage, tmp_path):
     """Stages 0 and 1 (DeepSpeed has no estimator for them) against what a real engine holds on each of two ranks
     after one fp32 step (tests/zero_states.py): the parameters, and the optimizer's fp32 master partition and
     Adam states (stage 0: torch's AdamW over everything, and the full gradients backward leaves)."""
+    from mla.training.launch import free_port
+
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(29_500 + os.getpid() % 1000 + stage), str(ROOT / "tests" / "zero_states.py"), str(stage),
+                        str(free_port()), str(ROOT / "tests" / "zero_states.py"), str(stage),
                         str(tmp_path / "held")], capture_output=True, text=True, timeout=580,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     assert r.returncode == 0, r.stderr[-4000:]
