@@ -39,6 +39,7 @@ WORKFLOW_TIMEOUT = 780  # hard limit (s) of the whole workflow run; killed with 
 
 pytestmark = [
     pytest.mark.slurm,
+    pytest.mark.slow,
     pytest.mark.timeout(960),
     pytest.mark.skipif(bool(MISSING), reason=f"SLURM binaries not installed: {', '.join(MISSING)} "
                        "(apt-get install slurmctld slurmd slurm-client munge)"),

@@ -17,6 +17,9 @@ from workflow_helpers import (ONE_THREAD, copy_run, job_counts, planned_jobs, sm
                               snakemake, write_config)
 
 
+pytestmark = pytest.mark.slow   # the smoke workflow end to end (minutes); `pytest -m "not slow"` leaves it out
+
+
 @pytest.fixture(scope="module")
 def smoke_run(finished_smoke):
     return finished_smoke
