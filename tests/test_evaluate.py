@@ -165,6 +165,7 @@ def _own_predictions(model, tok, docs):
     return np.array(preds), np.array(preds_norm), gold
 
 
+@pytest.mark.slow
 def test_lm_eval_local_task_on_mla_model(tok):
     """The harness runs end to end on an MLA model and returns exactly our own scoring's accuracy; a
     broken model (output head zeroed: uniform next-token distribution) gets different predictions.
@@ -263,6 +264,7 @@ def test_local_task_data_layout_and_schema(local_task_data):
         assert len((root / path).read_text().splitlines()) == 3, path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_paper_tasks_from_local_files_offline(local_task_data, tok, monkeypatch):
     """lm-eval's own definitions of the six tasks, documents from local files, no Hub: six columns and the

@@ -121,6 +121,7 @@ def test_evaluate_config_refuses_setting_flags_and_needs_a_part(converted, capsy
     assert not (converted / "x.json").exists()
 
 
+@pytest.mark.slow
 def test_the_table_of_both_parts_is_the_table_of_one_evaluation(converted, monkeypatch):
     """Every number but the timings is the same whether the parts ran apart (the workflow) or together (by hand)."""
     from mla.study.tables import Variant, build_table

@@ -130,6 +130,7 @@ def test_shared_context_processes_under_40_percent_of_the_tokens(kind, tok):
     assert max(abs(a[0] - b[0]) for a, b in zip(plain, shared)) <= LL_TOLERANCE
 
 
+@pytest.mark.slow
 def test_shared_context_equals_plain_on_real_smollm2_and_real_questions(questions, smollm2_dir):
     """The real SmolLM2-135M on 6 real MMLU questions: the same log-likelihoods for under 0.4 of the tokens."""
     from mla.checkpoint import load_model, load_tokenizer

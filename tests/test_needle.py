@@ -214,6 +214,7 @@ def test_end_to_end_tiny_checkpoint(tiny_checkpoint):
     assert again["lengths"][200]["samples"] == out["lengths"][200]["samples"]
 
 
+@pytest.mark.slow
 def test_smollm2_retrieves_pass_key(smollm2_dir):
     import torch
 

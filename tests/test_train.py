@@ -27,6 +27,7 @@ def inputs(train_inputs):
     return train_inputs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     from mlflow.tracking import MlflowClient

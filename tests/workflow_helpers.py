@@ -36,7 +36,7 @@ def smoke_study(cfg: dict | None = None):
 
 
 def write_config(path: Path, cfg: dict) -> Path:
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))   # the order of experiments is the figure's panels
     return path
 
 

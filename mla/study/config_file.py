@@ -32,7 +32,8 @@ def write(cfg: dict, folder: str | Path = FOLDER) -> str:
 
     from mla import atomic
 
-    blob = json.dumps(cfg, sort_keys=True, default=str)
+    # key order is content: experiments are the figure's panels, top to bottom
+    blob = json.dumps(cfg, default=str)
     path = Path(folder) / f"{hashlib.sha256(blob.encode()).hexdigest()[:12]}.yaml"
     if not path.is_file():
         with atomic.staged(path) as tmp:
