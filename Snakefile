@@ -3,11 +3,13 @@
 #   snakemake --cores all                                   # the embedded default (CPU, offline)
 #   snakemake --profile workflow/profiles/slurm --configfile configs/paper.yaml   # the paper, on SLURM
 #
+#   snakemake --cores all inference                         # + the inference measurements (evaluate.inference: all)
+#
 # Stages (one rule file each): download -> data -> calibrate -> convert [-> fit] -> finetune -> evaluate -> figures.
 # Rules only call `mla <verb>`; the science is in the `mla` package. Paths (mla/study/experiments.py):
 #   results/convert/<model>/<conversion>, results/fit/<model>/<conversion>/<fit>,
 #   results/finetune/<model>/<start>/<recipe>/...,
-#   results/evaluate/<model>/{original,<start>/<recipe>}/eval.json, results/tables/<experiment>.*,
+#   results/evaluate/<model>/{original,<start>/<recipe>}/{eval,inference}.json, results/tables/<experiment>.*,
 #   logs/<rule>/<wildcards>.log, benchmarks/<rule>/<wildcards>.tsv
 
 from snakemake.utils import min_version
@@ -35,6 +37,9 @@ if "HF_TOKEN" in os.environ:
 
 
 check_config(config)  # schema (with defaults and descriptions) + cross-references; stops before any job
+# The validated config as the verbs read it (`mla evaluate|table|plot --config {CONFIG_FILE}`): named after its
+# content and written once, it is neither an input nor a param, so it reruns nothing (mla/study/config_file.py).
+CONFIG_FILE = config_file.write(config)
 # Every variant and the jobs it needs, keyed by what they compute (mla/study/experiments.py): a conversion or a
 # training run that several variants or experiments share is one job.
 STUDY = experiments.Study(config)
@@ -64,6 +69,7 @@ report: "workflow/report/workflow.rst"
 # small bookkeeping rules run on the submitting host, never as cluster jobs
 localrules:
     all,
+    inference,
     plot,
     table,
     evaluation_data,
@@ -73,3 +79,10 @@ rule all:
     input:
         STUDY.targets(),
     default_target: True
+
+
+# the inference measurements of every checkpoint (decode speed, quantized caches, LongBench), on request;
+# `all` includes them, and the tables show them, when evaluate.inference is true
+rule inference:
+    input:
+        STUDY.inference_targets(),

@@ -64,7 +64,9 @@ def main() -> None:
         held = losses.pop("bytes")
         res = {"model": model_key, "start": start, "checkpoint": str(folder), "group_size": group,
                "losses": losses, "bytes": held,
-               "needle": report.measure_long_context(model, tok, opts, log=lambda *_: None)["needle"] or {}}
+               "needle": report.measure_long_context(model, tok, opts, log=lambda *_: None,
+                                                     widths=sorted(set(e["kv_bits"]) | {16}, reverse=True),
+                                                     longbench=False)["needle"] or {}}
         if quantized.is_mla(model) and args.decode != "none":
             original = load_model(args.workdir / experiments.model_dir(model_key)).eval()
             res["decode"] = decode.decode_grid(model, decode.parse_grid(args.decode), steps=8, rounds=2,

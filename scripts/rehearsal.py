@@ -172,7 +172,7 @@ def copy_workflow(workdir: Path) -> None:
 
 # One core per job (tiny models gain nothing from two threads), so two jobs overlap on a 2-core machine;
 # training keeps its `threads: 2`, one per process. Later --set-threads arguments override these.
-ONE_THREAD = ("download", "data", "calibrate", "convert", "evaluate")
+ONE_THREAD = ("download", "data", "calibrate", "convert", "evaluate", "evaluate_inference")
 
 
 def run_workflow(workdir: Path, env: dict[str, str], extra: list[str], *, log=print) -> int:

@@ -46,3 +46,13 @@ def smollm2_dir():
     from mla.sources import smollm2_checkpoint
 
     return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def finished_smoke(tmp_path_factory):
+    """One finished run of the smoke workflow (configs/smoke.yaml, local profile) per session: (folder, result).
+    Dry runs use it as it is; tests that run jobs again copy it first (workflow_helpers.copy_run)."""
+    from workflow_helpers import run_smoke
+
+    work = tmp_path_factory.mktemp("smoke")
+    return work, run_smoke(work)

@@ -1,5 +1,6 @@
 """`mla data`: packed blocks match the manifest; exact budgets and shares; train/validation disjoint by
-document; EOS kept; the mixture's real shares when a source runs dry; bad input named before any work."""
+document; EOS kept; the mixture's real shares when a source runs dry; bad input named before any work.
+The default corpus needs nothing but Python: its data is built here with Debian's documentation hidden."""
 
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ import numpy as np
 import pytest
 
 from mla.cli import UserError, main
-from mla.data import build_dataset, in_validation, open_blocks, read_manifest
+from mla.data import PYDOC_STDLIB, build_dataset, in_validation, open_blocks, read_manifest
+from mla.data.readers import PYTHON_DOCS_ENV, PythonDocstrings, docstrings
 from mla.sources import sha256_of
+from mla.study.options import DEFAULT_VALIDATION_FRACTION
 
 BLOCK, TRAIN_CAP, VAL_CAP = 64, 30_000, 3_000
+SHARES = {"python-docstrings": 0.6, "pydoc-topics": 0.1, "python-stdlib": 0.3}  # prose 0.7, code 0.3
 
 
 @pytest.fixture(scope="module")
 def built(tokenizer_dir, tmp_path_factory):
+    """The default corpus, built as on a bare machine: Debian's documentation folder is hidden."""
     out = tmp_path_factory.mktemp("data") / "pydoc"
-    rc = main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(out), "--block-length", str(BLOCK),
-               "--train-tokens", str(TRAIN_CAP), "--validation-tokens", str(VAL_CAP), "--workers", "2"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(PYTHON_DOCS_ENV, str(tmp_path_factory.mktemp("no-docs") / "missing"))
+        mp.setattr("mla.data.readers.PYTHON_DOCS_ROOT", "/nonexistent/python3.11-doc")
+        rc = main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(out), "--block-length", str(BLOCK),
+                   "--train-tokens", str(TRAIN_CAP), "--validation-tokens", str(VAL_CAP), "--workers", "2"])
     assert rc == 0
     return out
 
@@ -49,20 +57,20 @@ def test_block_counts_and_token_totals_match_manifest(built):
         kept = [d for d in documents(built, split) if d["offset"] < blocks.size]
         for name, stats in s["sources"].items():
             assert stats["documents"] == sum(d["source"] == name for d in kept)
-    # mixture weights 0.7 / 0.3 of each split's tokens, to the token (the last document of a source is cut)
+    # mixture weights 0.6 / 0.1 / 0.3 of each split's tokens, to the token (the last document of a source is cut)
+    assert {s["name"]: s["weight"] for s in m["request"]["sources"]} == SHARES
     for split in ("train", "validation"):
         s = m["splits"][split]
         src = s["sources"]
-        assert abs(src["python-docs"]["tokens"] - 0.7 * s["tokens"]) <= 1
-        assert abs(src["python-stdlib"]["tokens"] - 0.3 * s["tokens"]) <= 1
-        assert src["python-docs"]["configured_share"] == 0.7 and not src["python-docs"]["ran_dry"]
+        assert set(src) == set(SHARES)
+        for name, share in SHARES.items():
+            assert abs(src[name]["tokens"] - share * s["tokens"]) <= 1
+            assert src[name]["configured_share"] == share and not src[name]["ran_dry"]
     assert m["warnings"] == []
 
 
 def test_documents_are_tokenized_text_followed_by_eos(built, tokenizer_dir):
     from transformers import AutoTokenizer
-
-    from mla.data.readers import PYTHON_DOCS_ROOT
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     m = read_manifest(built)
@@ -73,11 +81,13 @@ def test_documents_are_tokenized_text_followed_by_eos(built, tokenizer_dir):
     # every complete document ends with EOS, and EOS appears nowhere else
     assert int((stream == eos).sum()) == len(whole)
     assert all(stream[d["offset"] + d["tokens"] - 1] == eos for d in whole)
-    # every document of the Python docs is its file's tokenization + EOS (the last one of the source cut, EOS kept)
-    prose = [d for d in whole if d["source"] == "python-docs"]
+    # every docstring document is its module's docstrings, tokenized + EOS (the last one of the source cut, EOS kept)
+    reader = PythonDocstrings(PYDOC_STDLIB[0], seed=0)
+    prose = [d for d in whole if d["source"] == "python-docstrings"]
     assert len(prose) >= 2
     for d in prose:
-        text = Path(PYTHON_DOCS_ROOT, d["key"]).read_text(encoding="utf-8")
+        text = reader.text(d["key"])
+        assert d["key"].endswith(".py") and text.startswith(d["key"][:-3].replace("/", ".").removesuffix(".__init__"))
         expected = tok(text, add_special_tokens=False)["input_ids"] + [eos]
         got = stream[d["offset"]:d["offset"] + d["tokens"]].tolist()
         assert got == expected or (d is prose[-1] and got == expected[:d["tokens"] - 1] + [eos])
@@ -89,8 +99,14 @@ def test_validation_and_training_documents_are_disjoint(built):
     train_keys = {(d["source"], d["key"]) for d in train}
     val_keys = {(d["source"], d["key"]) for d in val}
     assert not train_keys & val_keys
-    assert all(in_validation(s, k, 0.05) for s, k in val_keys)
-    assert not any(in_validation(s, k, 0.05) for s, k in train_keys)
+    # a module's docstrings split with its source file (split_as: python-stdlib), so no held-out module is
+    # trained on, as prose or as code
+    split_name = {"python-docstrings": "python-stdlib"}
+    fraction = DEFAULT_VALIDATION_FRACTION
+    assert all(in_validation(split_name.get(s, s), k, fraction) for s, k in val_keys)
+    assert not any(in_validation(split_name.get(s, s), k, fraction) for s, k in train_keys)
+    val_modules = {k for s, k in val_keys if s == "python-docstrings"}
+    assert val_modules and not val_modules & {k for s, k in train_keys if s == "python-stdlib"}
     # and by content: no validation document's token sequence occurs as a training document
     t_stream = open_blocks(built, "train").reshape(-1)
     v_stream = open_blocks(built, "validation").reshape(-1)
@@ -169,9 +185,9 @@ def test_weight_overrides(tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "w"
     assert main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(out), "--block-length", "32",
                  "--train-tokens", "3200", "--validation-tokens", "320", "--weight", "python-stdlib=3",
-                 "--weight", "python-docs=1", "--workers", "1"]) == 0
+                 "--weight", "python-docstrings=0.9", "--workers", "1"]) == 0
     src = read_manifest(out)["splits"]["train"]["sources"]
-    assert src["python-stdlib"]["tokens"] == 0.75 * 3200
+    assert src["python-stdlib"]["tokens"] == 0.75 * 3200 and src["pydoc-topics"]["tokens"] == 0.025 * 3200
     assert main(["data", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "v"),
                  "--weight", "fineweb=1"]) == 2
     assert "unknown source(s) ['fineweb']" in capsys.readouterr().err
@@ -266,7 +282,7 @@ def test_bad_corpus_files_and_block_length_are_named(tokenizer_dir, tmp_path):
     with pytest.raises(UserError, match="source 'notes' \\(text_files\\): no documents under"):
         build_dataset(corpus(f"sources: [{{name: notes, weight: 1, kind: text_files, root: {tmp_path / 'empty'}}}]"),
                       tokenizer_dir, tmp_path / "x")
-    with pytest.raises(UserError, match="install Debian's python3.11-doc"):
+    with pytest.raises(UserError, match=f"not at {missing}; install Debian's python3.11-doc .*{PYTHON_DOCS_ENV}"):
         build_dataset(corpus(f"sources: [{{name: docs, weight: 1, kind: python_docs, root: {missing}}}]"),
                       tokenizer_dir, tmp_path / "x")
     with pytest.raises(UserError, match="corpus file .*c.yaml: expected a mapping"):
@@ -287,11 +303,14 @@ def test_bad_corpus_files_and_block_length_are_named(tokenizer_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_default_config_gets_its_validation_budget_at_70_30(smollm2_dir, tmp_path):
-    """config.yaml's data with the real SmolLM2 tokenizer: the held-out split holds data.validation_tokens in the
-    configured shares (enough held-out prose at data.validation_fraction), and train what the experiments need."""
+def test_the_default_config_gets_its_validation_budget_at_70_30(smollm2_dir, tmp_path, monkeypatch):
+    """config.yaml's data with the real SmolLM2 tokenizer, Debian's documentation hidden: the held-out split holds
+    data.validation_tokens in the configured shares (enough held-out prose at data.validation_fraction, no source
+    ran dry), and train what the experiments need."""
     import yaml
 
+    monkeypatch.setenv(PYTHON_DOCS_ENV, str(tmp_path / "no-docs"))
+    monkeypatch.setattr("mla.data.readers.PYTHON_DOCS_ROOT", str(tmp_path / "no-docs"))
     from mla.study import budgets
 
     config = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())
@@ -303,5 +322,56 @@ def test_the_default_config_gets_its_validation_budget_at_70_30(smollm2_dir, tmp
     assert m["warnings"] == []
     val = m["splits"]["validation"]
     assert val["tokens"] == d["validation_tokens"] // d["block_length"] * d["block_length"] >= 65536
-    assert val["sources"]["python-docs"]["tokens"] == pytest.approx(0.7 * val["tokens"], abs=1)
+    for name, share in SHARES.items():
+        assert val["sources"][name]["tokens"] == pytest.approx(share * val["tokens"], abs=1)
     assert m["splits"]["train"]["tokens"] >= budgets.train_tokens(config, model)
+
+
+# -- the prose of the default corpus, and Debian's documentation as an option ---------------------------------
+
+def test_docstrings_in_source_order_under_qualified_names():
+    source = '''
+    """Module summary.
+
+    More.
+    """
+    import os
+
+    def f():
+        """Function f."""
+
+    class C:
+        """Class C."""
+
+        def method(self):
+            """  Indented
+                method doc.
+            """
+
+        def bare(self):
+            return 1
+
+    async def g():
+        "Coroutine g."
+    '''
+    import textwrap
+
+    assert docstrings(textwrap.dedent(source), "pkg.mod") == (
+        "pkg.mod\n\nModule summary.\n\nMore.\n\npkg.mod.f\n\nFunction f.\n\npkg.mod.C\n\nClass C.\n\n"
+        "pkg.mod.C.method\n\nIndented\nmethod doc.\n\npkg.mod.g\n\nCoroutine g.")
+    assert docstrings("def broken(:\n", "m") == "" and docstrings("x = 1\n", "m") == ""
+
+
+def test_debian_docs_corpus_reads_the_folder_that_MLA_PYTHON_DOCS_names(tokenizer_dir, tmp_path, monkeypatch):
+    docs = tmp_path / "_sources"
+    for i in range(60):
+        (docs / "library").mkdir(parents=True, exist_ok=True)
+        (docs / "library" / f"mod{i}.rst.txt").write_text(f"Module {i}\n========\n\n" + f"Prose of module {i}. " * 40)
+    monkeypatch.setenv(PYTHON_DOCS_ENV, str(docs))
+    m = build_dataset("debian-docs-stdlib", tokenizer_dir, tmp_path / "out", block_length=32, train_tokens=3200,
+                      validation_tokens=320, validation_fraction=0.25, workers=1, log=lambda *_: None)
+    src = m["splits"]["train"]["sources"]
+    assert set(src) == {"python-docs", "python-stdlib"} and src["python-docs"]["tokens"] == 0.7 * 3200
+    monkeypatch.setenv(PYTHON_DOCS_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=f"not at {tmp_path / 'nowhere'}; install Debian's python3.11-doc"):
+        build_dataset("debian-docs-stdlib", tokenizer_dir, tmp_path / "x", block_length=32, train_tokens=3200)

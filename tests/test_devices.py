@@ -118,15 +118,27 @@ def test_rules_request_a_gpu_only_when_configured(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    import re
+
+    import yaml
+
+    def device(text, folder):
+        """calibrate passes --device; `mla evaluate --config` maps the config file's evaluate.device (gpu -> cuda)."""
+        if "--device" in text:
+            return re.search(r"--device (\w+)", text).group(1)
+        config = yaml.safe_load((folder / re.search(r"--config (\S+)", text).group(1)).read_text())
+        return {"gpu": "cuda", "cpu": "cpu"}[config["evaluate"]["device"]]
+
+    rules = ("calibrate", "evaluate", "evaluate_inference")
     paper = _dry_run_jobs(tmp_path / "paper", "--profile", str(root / "workflow/profiles/slurm"),
                           "--configfile", str(root / "configs/paper.yaml"))
-    jobs = [(rule, text) for rule, text in paper if rule in ("calibrate", "evaluate")]
-    assert {rule for rule, _ in jobs} == {"calibrate", "evaluate"}
+    jobs = [(rule, text) for rule, text in paper if rule in rules]
+    assert {rule for rule, _ in jobs} == set(rules)
     for rule, text in jobs:                             # configs/paper.yaml: calibrate/evaluate.device gpu
-        assert "--device cuda" in text and ", gpu=1" in text, text
+        assert device(text, tmp_path / "paper") == "cuda" and ", gpu=1" in text, text
     default = _dry_run_jobs(tmp_path / "default", "--profile", str(root / "workflow/profiles/slurm"),
                             "--configfile", str(root / "configs/smoke.yaml"))
-    jobs = [(rule, text) for rule, text in default if rule in ("calibrate", "evaluate")]
-    assert jobs
+    jobs = [(rule, text) for rule, text in default if rule in rules]
+    assert {rule for rule, _ in jobs} == set(rules)
     for rule, text in jobs:                             # device cpu (the default): no GPU held idle
-        assert "--device cpu" in text and "gpu=1" not in text, text
+        assert device(text, tmp_path / "default") == "cpu" and "gpu=1" not in text, text

@@ -99,14 +99,25 @@ def test_cli_panels_runs_labels_colours(runs, tmp_path, monkeypatch):
     assert lum[0] > lum[1] > lum[2]
 
 
-def test_spec_file_and_single_panel(runs, tmp_path):
+def test_spec_file_and_single_panel(runs, tmp_path, monkeypatch):
+    import mla.study.figures as figures
+
     gqa, _ = runs
+    captured, real = {}, figures.loss_figure
+    monkeypatch.setattr(figures, "loss_figure", lambda panels, smoothing=0.9: captured.setdefault(
+        "fig", real(panels, smoothing)))
     spec = {"panels": [{"title": "SmolLM2-135M", "kind": "gqa",
                         "runs": [{"d_kv": 16, "metrics": str(gqa[16].relative_to(tmp_path))},
                                  {"baseline": True, "metrics": str(gqa["baseline"])}]}]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     assert main(["plot", "--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "one")]) == 0
-    assert (tmp_path / "one.png").is_file()
+    assert (tmp_path / "one.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [ax] = captured["fig"].axes
+    assert ax.get_title() == "SmolLM2-135M"
+    assert [l.get_label() for l in legend_lines(ax)] == ["GQA2MLA d_kv = 16", "GQA"]
+    # the relative path resolved against the spec's folder: the curve is that file's
+    raw = next(l for l in ax.get_lines() if l.get_label() == "_raw GQA2MLA d_kv = 16")
+    assert list(raw.get_ydata()) == pytest.approx(read_loss_curve(gqa[16])[1])
 
 
 def test_more_runs_than_colours_are_graded():

@@ -330,6 +330,7 @@ def test_quantized_cache_formula_counts_the_window_in_full_precision():
     assert longer - full == 2 * 2 * (16 + 8) * 4 + 2 * 2 * ((16 + 8) // 2 + 2 * 3 * 4)
 
 
+@pytest.mark.slow
 def test_evaluate_writes_cache_widths_pass_keys_and_table_rows(tmp_path):
     from mla.checkpoint import load_model
     from mla.conversion.convert import convert_checkpoint

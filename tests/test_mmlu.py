@@ -130,6 +130,7 @@ def test_shared_context_processes_under_40_percent_of_the_tokens(kind, tok):
     assert max(abs(a[0] - b[0]) for a, b in zip(plain, shared)) <= LL_TOLERANCE
 
 
+@pytest.mark.slow
 def test_shared_context_equals_plain_on_real_smollm2_and_real_questions(questions, smollm2_dir):
     """The real SmolLM2-135M on 6 real MMLU questions: the same log-likelihoods for under 0.4 of the tokens."""
     from mla.checkpoint import load_model, load_tokenizer
@@ -302,7 +303,6 @@ def test_lm_eval_task_scores_what_the_scorer_computes(questions, tok):
     assert res["acc"] == pytest.approx(acc / 12) and res["acc_norm"] == pytest.approx(acc_norm / 12)
     p = res["acc_norm"]
     assert res["acc_norm_stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 11))
-    assert res["seconds"] > 0
 
 
 def test_evaluate_mmlu_into_json_and_mlflow(questions, tmp_path, tiny_checkpoint):
@@ -316,7 +316,7 @@ def test_evaluate_mmlu_into_json_and_mlflow(questions, tmp_path, tiny_checkpoint
     assert (m["questions"], m["seed"], m["task"]) == (5, 11, "mla_mmlu_cloze")
     assert m["acc_norm"] * 5 == pytest.approx(round(m["acc_norm"] * 5))
     assert m["acc_norm_stderr"] == pytest.approx(math.sqrt(m["acc_norm"] * (1 - m["acc_norm"]) / 4))
-    assert res["seconds"]["mmlu"] > 0
+    assert m["seconds"] <= res["seconds"]["mmlu"]      # the scorer's own time is inside the stage's
 
     from mlflow.tracking import MlflowClient
 

@@ -184,8 +184,31 @@ def test_quantized_kv_cache_runs_with_a_fresh_cache_per_generate_call(tiny_model
         return built[-1]
 
     quantized = needle.generate_answers(tiny_model, tok, prompts, cache_factory=counted)
-    assert len(quantized) == 3 and quantized != plain     # 2-bit keys/values change a random model's choices
+    assert len(quantized) == len(plain) == 3
     assert len({id(c) for c in built}) == 3 and all(c.get_seq_length() > 0 for c in built)   # one per call
+
+
+def test_quantized_kv_cache_errs_more_with_fewer_bits(tiny_model, tok):
+    """Through the quanto cache the first answer token is the full-precision one (the prompt's own pass attends
+    to exact keys; the cache is read from the second token on), and the answers then leave the full-precision
+    ones sooner at 2 bits than at 4: the width reached the cache."""
+    pytest.importorskip("optimum.quanto")
+    prompts = [s["prompt"] for s in needle.draw_samples(tok, 300, samples=6, seed=3)]
+    plain = [tok(a, add_special_tokens=False)["input_ids"] for a in needle.generate_answers(tiny_model, tok, prompts)]
+
+    def agreeing_tokens(bits):
+        answers = needle.generate_answers(tiny_model, tok, prompts, generate_kwargs={
+            "cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": bits}})
+        out = []
+        for ref, ids in zip(plain, (tok(a, add_special_tokens=False)["input_ids"] for a in answers)):
+            n = next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), min(len(ref), len(ids)))
+            out.append(n)
+        return out
+
+    four, two = agreeing_tokens(4), agreeing_tokens(2)
+    assert min(two) >= 1 and min(four) >= 1
+    assert all(f >= t for f, t in zip(four, two)) and sum(four) > sum(two)
+    assert sum(two) < sum(len(ref) for ref in plain)      # 2 bits do change a random model's answers
 
 
 def test_end_to_end_tiny_checkpoint(tiny_checkpoint):
@@ -208,6 +231,7 @@ def test_end_to_end_tiny_checkpoint(tiny_checkpoint):
     assert again["lengths"][200]["samples"] == out["lengths"][200]["samples"]
 
 
+@pytest.mark.slow
 def test_smollm2_retrieves_pass_key(smollm2_dir):
     import torch
 

@@ -1,9 +1,11 @@
-"""The smoke workflow on a real two-node SLURM cluster (munged + slurmctld + one slurmd per node on
+"""The workflow on a real two-node SLURM cluster (munged + slurmctld + one slurmd per node on
 localhost, started here from Debian's packages and stopped by PID at the end), through the repository's
-slurm profile: every job must run as a SLURM job and complete. Then a fine-tuning job with
-train.nodes: 2 runs as one 2-node SLURM job (srun: one torchrun per node, c10d rendezvous) with the
-losses of the 1-node run, `mla train --nodes 2` in a 1-node job stops in one line, and the sbatch
-options of a 2-node GPU job are those the executor plugin builds from the rule's resources.
+slurm profile: a one-variant smoke study runs every rule, and each job of a cluster rule must run as a
+SLURM job and complete. Then, on a copy of the session's finished smoke run (local profile, conftest.py:
+these tests check scheduling, not the science again), a fine-tuning job with train.nodes: 2 runs as one
+2-node SLURM job (srun: one torchrun per node, c10d rendezvous) with the losses of the 1-node run,
+`mla train --nodes 2` in a 1-node job stops in one line, and the sbatch options of a 2-node GPU job are
+those the executor plugin builds from the rule's resources.
 
 CI installs the packages (.ci/run: apt-get install slurmctld slurmd slurm-client munge); the test
 skips only when those binaries are absent or it is not root."""
@@ -24,8 +26,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workflow_helpers import copy_run
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
+# every rule that runs as a cluster job (the others are localrules, run on the submitting host)
+CLUSTER_RULES = {"download", "data", "calibrate", "convert", "finetune", "evaluate", "evaluate_inference"}
 SCRIPT = ROOT / "scripts" / "slurm-local.sh"
 BINARIES = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "srun", "scontrol"]
 MISSING = [b for b in BINARIES if shutil.which(b) is None]
@@ -33,6 +39,7 @@ WORKFLOW_TIMEOUT = 780  # hard limit (s) of the whole workflow run; killed with 
 
 pytestmark = [
     pytest.mark.slurm,
+    pytest.mark.slow,
     pytest.mark.timeout(960),
     pytest.mark.skipif(bool(MISSING), reason=f"SLURM binaries not installed: {', '.join(MISSING)} "
                        "(apt-get install slurmctld slurmd slurm-client munge)"),
@@ -118,20 +125,34 @@ def run_workflow(env, work: Path, profile: Path, configfile: Path, *targets: str
 
 
 @pytest.fixture(scope="module")
-def smoke_run(cluster, tmp_path_factory):
-    """The smoke workflow through the profile: (workdir, profile folder, snakemake result, jobs before it)."""
+def profile(tmp_path_factory):
+    return test_profile(tmp_path_factory.mktemp("profile"))
+
+
+@pytest.fixture(scope="module")
+def slurm_run(cluster, profile, tmp_path_factory):
+    """A one-variant smoke study (one job of every rule) through the profile: (workdir, result, jobs before it)."""
     state, env = cluster
-    tmp = tmp_path_factory.mktemp("smoke")
+    tmp = tmp_path_factory.mktemp("slurm")
+    config = yaml.safe_load(SMOKE.read_text())
+    config["experiments"] = {"gqa2mla": {**config["experiments"]["gqa2mla"], "d_kv": [8], "baseline": False}}
+    configfile = tmp / "one-variant.yaml"
+    configfile.write_text(yaml.safe_dump(config))
     before = set(squeue_jobs(env))
     work = tmp / "work"
     work.mkdir()
-    profile = test_profile(tmp)
-    return work, profile, run_workflow(env, work, profile, SMOKE), before
+    return work, run_workflow(env, work, profile, configfile), before
 
 
-def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
+@pytest.fixture(scope="module")
+def smoke_copy(finished_smoke, tmp_path_factory):
+    """A copy of the session's finished smoke run (local profile), for jobs rerun on the cluster."""
+    return copy_run(finished_smoke[0], tmp_path_factory.mktemp("smoke-copy") / "work")
+
+
+def test_every_rule_runs_as_a_slurm_job(cluster, slurm_run):
     state, env = cluster
-    work, _profile, r, before = smoke_run
+    work, r, before = slurm_run
     out = r.stdout + r.stderr
     ctld_log = (state / "log/slurmctld.log").read_text()
     assert r.returncode == 0, f"rc={r.returncode}\n{out[-6000:]}\n--- slurmctld.log\n{ctld_log[-3000:]}"
@@ -141,7 +162,7 @@ def test_smoke_workflow_runs_every_job_on_slurm(cluster, smoke_run):
     stats = out.split("Job stats:", 1)[1]
     planned = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, flags=re.M)
                if m.group(1) not in ("all", "total", "plot", "table", "evaluation_data")}
-    assert planned.get("finetune") and planned.get("convert")
+    assert planned == dict.fromkeys(CLUSTER_RULES, 1), planned
     assert all(f"localrule {rule}:" in out for rule in ("plot", "table", "evaluation_data"))
 
     # every one of them is a SLURM job that completed, named by the plugin's comment rule_<rule>_...
@@ -189,11 +210,10 @@ def scontrol_job(job_id: str, env) -> dict:
     return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
 
-def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster, smoke_run, tmp_path):
+def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster, profile, smoke_copy, tmp_path):
     """train.nodes: 2 (x nproc 1, micro batch 1: the smoke run's global batch 2) re-runs one finetune job."""
     state, env = cluster
-    work, profile, smoke, _ = smoke_run
-    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    work = smoke_copy
     v8 = smoke_variant("gqa2mla", "dkv8")
     target = v8.run_dir
     log_path = work / "logs/finetune" / v8.model / v8.start / f"{v8.recipe}.log"
@@ -228,10 +248,9 @@ def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster,
     assert list((work / f"results/checkpoints/{v8.model}/{v8.start}/{v8.recipe}").iterdir()) == []  # deleted after success
 
 
-def test_nodes_the_job_does_not_have_stop_in_one_line(cluster, smoke_run, tmp_path):
+def test_nodes_the_job_does_not_have_stop_in_one_line(cluster, finished_smoke, tmp_path):
     state, env = cluster
-    work, _profile, smoke, _ = smoke_run
-    assert smoke.returncode == 0
+    work, _ = finished_smoke
     out = tmp_path / "job.out"
     train = (f"{sys.executable} -m mla train --model {work}/{smoke_variant('gqa2mla', 'dkv8').convert_dir} "
              f"--data {work}/results/data/tiny-gqa --out {tmp_path}/run --nodes 2 --no-mlflow")

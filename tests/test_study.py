@@ -227,3 +227,23 @@ def test_bad_fits_are_named_before_any_job(change, key, message):
     cfg["experiments"]["gqa2mla"].update(change)
     problems = config_problems(cfg)
     assert any(k == key and message in m for k, m in problems), problems
+
+
+def test_the_config_file_the_verbs_read_keeps_the_order_and_is_written_once(tmp_path):
+    """mla/study/config_file.py: the validated config, named after its content; the experiments keep their
+    order (the figure's panels, top to bottom), and an existing file is never rewritten (no mtime change)."""
+    import yaml
+
+    from mla.study import config_file, reports
+    from mla.study.config_schema import validated
+
+    cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "configs" / "smoke.yaml").read_text()))
+    assert list(cfg["experiments"]) == ["mha2mla", "gqa2mla"]
+    path = Path(config_file.write(cfg, tmp_path))
+    loaded = config_file.load(path)
+    assert loaded == cfg and list(loaded["experiments"]) == ["mha2mla", "gqa2mla"]
+    assert [p["title"] for p in reports.figure_panels(loaded)] == [p["title"] for p in reports.figure_panels(cfg)]
+    before = path.stat().st_mtime_ns
+    assert config_file.write(cfg, tmp_path) == str(path) and path.stat().st_mtime_ns == before
+    changed = dict(cfg, experiments=dict(reversed(list(cfg["experiments"].items()))))
+    assert config_file.write(changed, tmp_path) != str(path)          # another order is another figure

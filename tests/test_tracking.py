@@ -173,3 +173,40 @@ def test_workflow_logs_its_runs_to_an_mlflow_server(mlflow_server, tmp_path):
     stored = {p.name for p in (server_root / "artifacts").rglob("*") if p.is_file()}
     assert {"metrics.csv", "run.json"} <= stored
     assert not list((work / "results").rglob("mlflow.db*")) and not list((work / "results").rglob("*.lock"))
+
+
+def _attach(uri: str, barrier, out) -> None:
+    import time
+
+    find = tracking.find_run
+
+    def slow_find(*args):                                 # widen the window between looking and creating
+        run = find(*args)
+        time.sleep(2)
+        return run
+
+    tracking.find_run = slow_find
+    tracking.client_for(uri)                              # the store exists before the race starts
+    barrier.wait()                                        # every process looks for the run at the same moment
+    out.put(tracking.get_or_create_run(uri, "exp-race", "tiny/original"))
+
+
+def test_parallel_jobs_of_one_run_create_it_once(uri):
+    """An original model's quality and inference jobs (and the figure's and tables' summary run) attach to one
+    run by name, started in parallel: it is created once, under the store's lock."""
+    import multiprocessing
+
+    from mlflow.tracking import MlflowClient
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_attach, args=(uri, barrier, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    ids = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs) and len(set(ids)) == 1
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("exp-race").experiment_id])
+    assert [r.info.run_id for r in runs] == ids[:1]

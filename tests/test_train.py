@@ -27,6 +27,7 @@ def inputs(train_inputs):
     return train_inputs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     from mlflow.tracking import MlflowClient
@@ -231,11 +232,14 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(inputs, model_
     assert max((grads_a[n] - grads_b[n]).abs().max().item() for n in grads_a) <= 1e-5
 
 
-def test_parameter_groups_name_norms_and_biases(tmp_path):
+def test_the_trainers_own_groups_leave_norms_and_biases_without_decay(tmp_path):
+    """transformers 5.24's `Trainer.get_decay_parameter_names` (what mla train uses, mla/training/optimizer.py)
+    on Llama and MLA checkpoints: every matrix and embedding decays, MLA's own included; norms and biases do not."""
+    from transformers import Trainer
+
     from mla.checkpoint import load_model
     from mla.conversion.convert import convert_checkpoint
     from mla.tiny_models import save_tiny_checkpoint
-    from mla.training.optimizer import decay_parameter_names, no_decay_parameter_names, parameter_groups
 
     save_tiny_checkpoint(tmp_path / "llama", attention_bias=True, num_hidden_layers=1)
     convert_checkpoint(tmp_path / "llama", tmp_path / "mla", d_kv=8, strategy="high")
@@ -243,18 +247,21 @@ def test_parameter_groups_name_norms_and_biases(tmp_path):
     norms = {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
              "model.norm.weight"}
     biases = {f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "k_rope_proj", "k_up", "v_up", "o_proj")}
-    assert set(no_decay_parameter_names(mla)) == norms | biases
-    decayed = set(decay_parameter_names(mla))
+    everything = {n for n, _ in mla.named_parameters()}
+    decayed = set(Trainer.get_decay_parameter_names(None, mla))
+    assert decayed == everything - norms - biases
     for name in ("kv_down", "k_up", "v_up", "k_rope_proj", "q_proj", "o_proj"):  # MLA's own matrices decay
         assert f"model.layers.0.self_attn.{name}.weight" in decayed
-    assert "model.embed_tokens.weight" in decayed and not decayed & (norms | biases)
-    assert decayed | norms | biases == {n for n, _ in mla.named_parameters()}
     llama = load_model(tmp_path / "llama")
-    assert set(no_decay_parameter_names(llama)) == norms | {
-        f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
-    groups = parameter_groups(mla, 0.1)
-    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
-    assert sum(p.numel() for g in groups for p in g["params"]) == sum(p.numel() for p in mla.parameters())
+    llama_biases = {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
+    assert set(Trainer.get_decay_parameter_names(None, llama)) == (
+        {n for n, _ in llama.named_parameters()} - norms - llama_biases)
+    # and the real SmolLM2's names (the same Llama layout, 30 layers, tied head)
+    from mla.tiny_models import tiny_llama
+
+    deep = tiny_llama(num_hidden_layers=30, tie_word_embeddings=True)
+    no_decay = {n for n, _ in deep.named_parameters()} - set(Trainer.get_decay_parameter_names(None, deep))
+    assert len(no_decay) == 2 * 30 + 1 and all(n.endswith(("layernorm.weight", "model.norm.weight")) for n in no_decay)
 
 
 @pytest.mark.timeout(200)

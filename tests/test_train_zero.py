@@ -21,6 +21,8 @@ import pytest
 import torch
 from train_helpers import loaded_shares, plain_losses, read_rows, run_train, train_inputs  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow   # several DeepSpeed processes per test (minutes)
+
 STEPS, MICRO, RANKS, LR, WARMUP, DECAY = 10, 4, 2, 3e-3, 2, 3
 RECIPE = ["--zero-stage", "2", "--micro-batch", str(MICRO), "--steps", str(STEPS), "--lr", str(LR), "--warmup-steps",
           str(WARMUP), "--decay-steps", str(DECAY), "--clip", "1.0", "--weight-decay", "0.01", "--no-mlflow"]

@@ -1,7 +1,8 @@
 """The smoke workflow end to end with the local profile: every output appears, a second run does
 nothing, changing one d_kv's setting reruns only what depends on it, changing how runs are launched reruns
-nothing, and renaming (labels, panels, the MLflow experiment and tracking URI) reruns only the figure and
-tables."""
+nothing, renaming (labels, panels, the MLflow experiment and tracking URI) reruns only the figure and
+tables, and each checkpoint's two evaluation jobs (quality, inference) are planned, rerun and lost
+independently of each other."""
 
 from __future__ import annotations
 
@@ -9,75 +10,35 @@ import csv
 import json
 import os
 import re
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from workflow_helpers import (
+    ONE_THREAD,
+    SMOKE,
+    copy_run,
+    failed_logs,
+    job_counts,
+    planned_jobs,
+    smoke_config,
+    smoke_study,
+    snakemake,
+    write_config,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "configs" / "smoke.yaml"
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-# each test job uses one core, so two jobs overlap their start-up (imports) on a 2-core machine
-ONE_THREAD = ["--set-threads", *(f"{r}=1" for r in ("download", "data", "calibrate", "convert", "fit", "finetune",
-                                                      "evaluate"))]
-
-
-def smoke_study(cfg: dict | None = None):
-    """Variants of the smoke config (or `cfg`) with the paths the workflow gives their jobs (mla.study.experiments)."""
-    from mla.study import experiments
-    from mla.study.config_schema import validated
-
-    return experiments.Study(validated(cfg or yaml.safe_load(SMOKE.read_text())))
-
-
-def snakemake(workdir: Path, *args: str, configfile: Path = SMOKE, timeout: int = 900):
-    cmd = [*SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile),
-           "--profile", str(ROOT / "workflow/profiles/local"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def job_counts(output: str) -> dict[str, int]:
-    """The 'Job stats' table Snakemake prints before running (rule -> number of jobs)."""
-    block = output.split("Job stats:", 1)[1]
-    counts = {}
-    for line in block.splitlines()[3:]:
-        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
-        if not m:
-            break
-        counts[m.group(1)] = int(m.group(2))
-    return counts
-
-
-def planned_jobs(output: str) -> set[tuple[str, str]]:
-    """(rule, wildcards) of every job in a dry run's listing."""
-    jobs = set()
-    for block in re.split(r"\n(?=\[.*\]\n(?:local)?rule )", output):
-        m = re.search(r"^(?:local)?rule (\w+):", block, flags=re.M)
-        if m:
-            w = re.search(r"^\s+wildcards: (.*)$", block, flags=re.M)
-            jobs.add((m.group(1), w.group(1) if w else ""))
-    return jobs
+pytestmark = pytest.mark.slow   # the smoke workflow end to end (minutes); `pytest -m "not slow"` leaves it out
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("smoke")
-    r = snakemake(work, *ONE_THREAD)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:] + _failed_logs(work)
-    return work, r
-
-
-def _failed_logs(work: Path) -> str:
-    return "".join(f"\n--- {p}\n{p.read_text()[-2000:]}" for p in sorted((work / "logs").rglob("*.log"))
-                   if "Traceback" in p.read_text())
+def smoke_run(finished_smoke):
+    return finished_smoke
 
 
 def test_smoke_workflow_produces_every_output(smoke_run):
     work, r = smoke_run
-    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg = smoke_config()
     the_study = smoke_study()
     counts = job_counts(r.stdout + r.stderr)
     assert counts["finetune"] == sum(len(e["d_kv"]) + 1 for e in cfg["experiments"].values())
@@ -91,9 +52,20 @@ def test_smoke_workflow_produces_every_output(smoke_run):
         table = {row["variant"]: row for row in csv.DictReader((res / f"tables/{e}.csv").open())}
         for v in the_study.experiment(e):
             rows = list(csv.DictReader((work / v.run_dir / "metrics.csv").open()))
+            # the inference measurements: their own JSON, in the table beside the quality numbers
+            inf = json.loads((work / v.inference_path).read_text())
+            assert inf["part"] == "inference" and inf["perplexity"] is None and inf["benchmarks"] is None
+            assert list(inf["kv_quant"]["bits"]) == [str(b) for b in cfg["evaluate"]["kv_bits"]]
+            assert inf["decode"]["steps"] == cfg["evaluate"]["decode_steps"]
+            quantized = [b for b in cfg["evaluate"]["kv_bits"] if b != 16]
+            assert f"{v.name} · {quantized[0]}-bit cache" in table
+            loss = inf["kv_quant"]["bits"][str(quantized[0])]["mean_loss"]
+            assert float(table[f"{v.name} · {quantized[0]}-bit cache"]["cache-decoded loss"]) == pytest.approx(loss, rel=1e-5)
             assert [int(row["step"]) for row in rows][-1] == cfg["train"]["steps"]
             assert all(float(row["loss"]) > 0 for row in rows)
             ev = json.loads((work / v.eval_path).read_text())
+            assert ev["part"] == "quality" and ev["kv_quant"] is None and ev["decode"] is None
+            assert list(ev["long_context"]["needle"]) == ["16"]     # pass keys with the full cache
             ppl = ev["perplexity"]
             # the evaluation scored the configured held-out blocks, and the table carries its numbers
             assert ppl["blocks"] == cfg["evaluate"]["perplexity_blocks"] and 1 < ppl["perplexity"] < 1e4
@@ -118,18 +90,22 @@ def test_smoke_workflow_produces_every_output(smoke_run):
     manifest = json.loads((res / "evaluation-data/manifest.json").read_text())
     assert manifest["mmlu"]["questions"] == 14042 and manifest["paper_tasks"] == {"status": "off"}
     # every rule logged and the heavy ones benchmarked
-    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate", "plot", "table",
-                 "evaluation_data"):
+    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate", "evaluate_inference", "plot",
+                 "table", "evaluation_data"):
         assert list((work / "logs" / rule).rglob("*.log")), rule
-    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate"):
+    for rule in ("download", "data", "calibrate", "convert", "finetune", "evaluate", "evaluate_inference"):
         assert list((work / "benchmarks" / rule).rglob("*.tsv")), rule
+    # the verbs read the config the Snakefile validated, written once under its content's hash
+    [written] = (res / "config").iterdir()
+    assert yaml.safe_load(written.read_text())["evaluate"]["decode_steps"] == cfg["evaluate"]["decode_steps"]
+    assert f"--config results/config/{written.name}" in r.stdout + r.stderr
 
 
 def test_smoke_workflow_tracks_runs_in_mlflow(smoke_run):
     from mlflow.tracking import MlflowClient
 
     work, _ = smoke_run
-    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg = smoke_config()
     client = MlflowClient(tracking_uri=f"sqlite:///{work}/results/mlflow.db")
     exp = client.get_experiment_by_name(cfg["mlflow"]["experiment"])
     assert exp is not None
@@ -144,7 +120,10 @@ def test_smoke_workflow_tracks_runs_in_mlflow(smoke_run):
         assert run.data.tags.get("snakemake_rule") == "finetune"
         history = client.get_metric_history(run.info.run_id, "loss")
         assert sorted(m.step for m in history) == list(range(1, cfg["train"]["steps"] + 1))
-        assert "eval/perplexity" in run.data.metrics  # the evaluation was logged to the same run
+        assert "eval/perplexity" in run.data.metrics  # both evaluations were logged to the same run
+        assert f"eval/kv{cfg['evaluate']['kv_bits'][-1]}bit_mean_loss" in run.data.metrics
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+        assert artifacts == {"evaluation/eval.json", "evaluation/inference.json"}
 
 
 def test_report_holds_the_figure_and_the_tables(smoke_run, tmp_path):
@@ -156,24 +135,33 @@ def test_report_holds_the_figure_and_the_tables(smoke_run, tmp_path):
 
     names = zipfile.ZipFile(report).namelist()
     assert any(n.endswith("loss.png") for n in names), names
-    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg = smoke_config()
     for e in cfg["experiments"]:
         assert any(n.endswith(f"{e}.csv") for n in names), names
     assert any(n.endswith("report.html") for n in names)
 
 
-def test_second_run_does_nothing_and_a_changed_d_kv_reruns_only_its_jobs(smoke_run, tmp_path):
+def test_second_run_does_nothing_even_when_the_config_file_is_written_again(smoke_run):
     work, _ = smoke_run
     again = snakemake(work, "-n")
     assert again.returncode == 0
     assert "Nothing to be done" in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
+    # the config file the verbs read is neither an input nor a param: a newer copy of it reruns nothing
+    [written] = (work / "results/config").iterdir()
+    content = written.read_text()
+    shutil.rmtree(work / "results/config")
+    again = snakemake(work, "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
+    assert written.read_text() == content
 
-    cfg = yaml.safe_load(SMOKE.read_text())
+
+def test_a_changed_d_kv_reruns_only_its_jobs(smoke_run, tmp_path):
+    work = copy_run(smoke_run[0], tmp_path / "work")
+    cfg = smoke_config()
     exp_name = "gqa2mla"
     d_kv = cfg["experiments"][exp_name]["d_kv"][0]
     cfg["experiments"][exp_name]["overrides"] = {f"dkv{d_kv}": {"r": 2}}
-    changed = tmp_path / "changed.yaml"
-    changed.write_text(yaml.safe_dump(cfg))
+    changed = write_config(tmp_path / "changed.yaml", cfg)
     stages = ("models", "data", "calibrate", "convert", "finetune", "evaluate", "evaluation-data")
     untouched = {p: p.stat().st_mtime_ns for stage in stages for p in (work / "results" / stage).rglob("*")
                  if p.is_file()}
@@ -185,12 +173,14 @@ def test_second_run_does_nothing_and_a_changed_d_kv_reruns_only_its_jobs(smoke_r
     jobs = planned_jobs(plan.stdout + plan.stderr)
     run = f"model={new.model}, start={new.start}, recipe={new.recipe}"
     assert jobs == {("convert", f"model={new.model}, conversion={new.conversion}"), ("finetune", run),
-                    ("evaluate", run), ("table", f"experiment={exp_name}"), ("plot", ""), ("all", "")}, jobs
+                    ("evaluate", run), ("evaluate_inference", run), ("table", f"experiment={exp_name}"),
+                    ("plot", ""), ("all", "")}, jobs
 
     rerun = snakemake(work, *ONE_THREAD, configfile=changed)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
     counts = job_counts(rerun.stdout + rerun.stderr)
-    assert counts == {"convert": 1, "finetune": 1, "evaluate": 1, "table": 1, "plot": 1, "all": 1, "total": 6}
+    assert counts == {"convert": 1, "finetune": 1, "evaluate": 1, "evaluate_inference": 1, "table": 1, "plot": 1,
+                      "all": 1, "total": 7}
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in untouched.items())  # nothing else was rewritten
     conv = json.loads((work / new.convert_dir / "conversion.json").read_text())
     assert conv["r"] == 2  # the new setting reached the conversion
@@ -229,12 +219,11 @@ def test_launch_settings_rerun_nothing_and_reach_the_next_job(smoke_run, tmp_pat
 def test_renaming_reruns_only_the_figure_and_tables(smoke_run, tmp_path):
     """Labels, a panel's name, the MLflow experiment and the tracking URI name things; they decide no job."""
     work, _ = smoke_run
-    cfg = yaml.safe_load(SMOKE.read_text())
+    cfg = smoke_config()
     cfg["mlflow"] = {"experiment": "renamed", "tracking_uri": f"sqlite:///{tmp_path}/elsewhere.db"}
     cfg["experiments"]["gqa2mla"]["overrides"] = {"dkv4": {"label": "four"}, "baseline": {"label": "GQA (ft)"}}
     cfg["experiments"]["gqa-panel"] = cfg["experiments"].pop("gqa2mla")
-    renamed = tmp_path / "renamed.yaml"
-    renamed.write_text(yaml.safe_dump(cfg))
+    renamed = write_config(tmp_path / "renamed.yaml", cfg)
     plan = snakemake(work, "-n", configfile=renamed)
     assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
     jobs = planned_jobs(plan.stdout + plan.stderr)
@@ -277,7 +266,7 @@ def test_the_fit_rule_writes_a_fitted_checkpoint(tmp_path):
     v = next(v for v in smoke_study(cfg).variants if v.name == "fitted")
     work = tmp_path / "work"
     done = snakemake(work, v.fit_dir, *ONE_THREAD, configfile=path)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + _failed_logs(work)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + failed_logs(work)
     assert job_counts(done.stdout + done.stderr) == {"download": 1, "data": 1, "calibrate": 1, "convert": 1, "fit": 1,
                                                      "total": 5}
     report = json.loads((work / v.fit_dir / "fit.json").read_text())
@@ -288,3 +277,70 @@ def test_the_fit_rule_writes_a_fitted_checkpoint(tmp_path):
     assert list((work / "logs/fit").rglob("*.log")) and list((work / "benchmarks/fit").rglob("*.tsv"))
     again = snakemake(work, "-n", v.fit_dir, configfile=path)
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+# -- the two evaluation jobs of each checkpoint ---------------------------------------------------------------
+
+def planned_rules(work, cfg, tmp_path, name):
+    plan = snakemake(work, "-n", configfile=write_config(tmp_path / f"{name}.yaml", cfg))
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
+    return job_counts(plan.stdout + plan.stderr)
+
+
+@pytest.mark.parametrize("change", [{"decode_steps": 3}, {"decode_grid": ["1x8"]}, {"kv_bits": [16, 8]},
+                                    {"kv_scored": 4}])
+def test_an_inference_setting_plans_no_quality_job(smoke_run, tmp_path, change):
+    work, _ = smoke_run
+    cfg = smoke_config()
+    cfg["evaluate"].update(change)
+    runs = len(smoke_study().runs())
+    assert planned_rules(work, cfg, tmp_path, "inference") == {
+        "evaluate_inference": runs, "table": len(cfg["experiments"]), "all": 1, "total": runs + 3}
+
+
+def test_a_quality_setting_plans_no_inference_job(smoke_run, tmp_path):
+    work, _ = smoke_run
+    cfg = smoke_config()
+    cfg["evaluate"]["local_docs"] += 1
+    runs = len(smoke_study().runs())
+    assert planned_rules(work, cfg, tmp_path, "quality") == {
+        "evaluate": runs, "table": len(cfg["experiments"]), "all": 1, "total": runs + 3}
+
+
+def _failing(tmp_path, rule: str) -> dict:
+    """Environment that makes every job of `rule` fail as it starts: a sitecustomize on PYTHONPATH reads the
+    rule name the shell command exports (MLA_SNAKEMAKE_RULE) and exits (fault injection, kept in the tests)."""
+    folder = tmp_path / f"fail-{rule}"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        f"if os.environ.get('MLA_SNAKEMAKE_RULE') == {rule!r}:\n"
+        f"    sys.exit('injected failure of rule {rule}')\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def test_a_failed_evaluation_job_loses_nothing_of_the_other(smoke_run, tmp_path):
+    """Both parts' settings change and the inference jobs fail: the quality jobs still run and stay done (the
+    next run plans only the inference jobs); then the same with the quality jobs failing."""
+    work = copy_run(smoke_run[0], tmp_path / "work")
+    runs = list(smoke_study().runs().values())
+    cfg = smoke_config()
+    for failing, path_of in (("evaluate_inference", "inference_path"), ("evaluate", "eval_path")):
+        cfg["evaluate"]["local_docs"] += 1          # a quality setting
+        cfg["evaluate"]["decode_steps"] += 1        # an inference setting
+        changed = write_config(tmp_path / f"{failing}.yaml", cfg)
+        r = snakemake(work, *ONE_THREAD, "--keep-going", configfile=changed, env=_failing(tmp_path, failing))
+        logs = "".join(p.read_text() for p in (work / "logs" / failing).rglob("*.log"))
+        assert r.returncode != 0 and f"injected failure of rule {failing}" in logs, (r.stdout + r.stderr)[-3000:]
+        for v in runs:
+            assert not (work / getattr(v, path_of)).exists()      # a failed job leaves no output marked done
+            assert (work / (v.eval_path if failing == "evaluate_inference" else v.inference_path)).is_file()
+        if failing == "evaluate_inference":                      # the quality jobs ran with the new setting
+            ev = json.loads((work / runs[0].eval_path).read_text())
+            assert ev["benchmarks"]["local"]["n"] == cfg["evaluate"]["local_docs"]
+        else:                                                    # and now the inference jobs did
+            inf = json.loads((work / runs[0].inference_path).read_text())
+            assert inf["decode"]["steps"] == cfg["evaluate"]["decode_steps"]
+        plan = snakemake(work, "-n", configfile=changed)
+        assert job_counts(plan.stdout + plan.stderr) == {
+            failing: len(runs), "table": len(cfg["experiments"]), "all": 1, "total": len(runs) + 3}

@@ -4,6 +4,7 @@ session), `mla train` in a subprocess, and the plain single-process PyTorch refe
 from __future__ import annotations
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -50,6 +51,29 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def paper_lr_multiplier(step: int, total_steps: int, warmup_steps: int, decay_steps: int) -> float:
+    """The paper's schedule written out (mla/training/schedule.py): the factor on the peak lr at 0-based
+    scheduler step `step`: linear warmup from 0, constant, 1-sqrt decay to 0 over the last steps."""
+    if step >= total_steps:
+        return 0.0
+    if step < warmup_steps:
+        return step / warmup_steps
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    return 1.0 - math.sqrt((step - decay_start) / decay_steps)
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW's groups as the Trainer builds them: decay on what `Trainer.get_decay_parameter_names` names."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
 def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: int, decay: int,
                  clip: float = 1.0, weight_decay: float = TrainConfig.weight_decay, seed: int = TrainConfig.seed,
                  model_dir: str = "mla",
@@ -59,10 +83,10 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
     recipe's parameter groups unless groups=False: then decay on everything) and schedule.
     distill=(teacher folder, weight, T): the loss CE + weight·T²·KL, the KL written directly (torch's kl_div
     over every predicted token); the losses are then (ce, kl) pairs. trainable: as `mla train --trainable`."""
+    from functools import partial
+
     from mla.checkpoint import load_model
     from mla.data import open_blocks
-    from mla.training.optimizer import parameter_groups
-    from mla.training.schedule import warmup_constant_sqrt_decay
     from mla.training.trainable import select_trainable
     from mla.training.trainer import BlockDataset
 
@@ -72,7 +96,8 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
     data = BlockDataset(open_blocks(root / "data"), steps * global_batch, seed=seed)
     params = parameter_groups(model, weight_decay) if groups else model.parameters()
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    sched = warmup_constant_sqrt_decay(opt, steps, warmup, decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(paper_lr_multiplier, total_steps=steps,
+                                                           warmup_steps=warmup, decay_steps=decay))
     losses = []
     for step in range(steps):
         ids = torch.stack([data[i]["input_ids"] for i in range(step * global_batch, (step + 1) * global_batch)])

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from mla.study.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
 
-HELP = "tokenize a corpus (default: Python docs + stdlib, offline) into packed train/validation blocks"
+HELP = "tokenize a corpus (default: the stdlib's docstrings + sources, offline) into packed train/validation blocks"
 
 EPILOG = """\
-corpora: 'pydoc-stdlib' (offline: the Python documentation's reStructuredText from Debian's
-python3.11-doc 0.7 + standard-library .py files 0.3), 'smollm' (the paper's Hub mixture:
+corpora: 'pydoc-stdlib' (offline, from the Python that runs this: the standard library's docstrings
+0.6 + pydoc's topics 0.1 + its .py files 0.3), 'debian-docs-stdlib' (the documentation's reStructuredText
+from Debian's python3.11-doc, or the folder MLA_PYTHON_DOCS names, 0.7 + the .py files 0.3), 'smollm' (the paper's Hub mixture:
 fineweb-edu-dedup 0.70, cosmopedia-v2 0.15, python-edu 0.08, open-web-math 0.06, stackoverflow-clean
 0.01; needs Hub access, or MLA_HUB_DATASETS_MIRROR / MLA_SWH_CONTENT_URL pointing at local copies, and
 --train-tokens), or a YAML/JSON file {name, sources: [{name, weight, kind:
-pydoc_topics|python_docs|python_stdlib|text_files|hub, ...options}]}.
+pydoc_topics|python_docstrings|python_docs|python_stdlib|text_files|hub, split_as: SOURCE (optional: split
+its documents like another source's, same keys), ...options}]}.
 Each split holds exactly budget // block-length blocks, its sources' tokens in the configured shares;
 a source that runs dry is reported (manifest and log) and the others fill its share. The output
 folder is reused when corpus, tokenizer, block length, budgets, fraction and seed are unchanged; an

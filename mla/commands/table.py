@@ -26,7 +26,13 @@ eval JSON. --label names the row in a label column; --paper-row picks the paper'
 --paper-model picks the paper's Table 1 rows (SmolLM-135M, SmolLM-360M, SmolLM-1.7B,
 Llama-2-7B); by default it is inferred from --model, and "none" disables the paper columns.
 --spec FILE (JSON/YAML) holds {"title", "model", "paper_model", "variants": [{"name", "d_kv",
-"eval", "conversion", "metrics"}]}; relative paths resolve against the spec's folder.
+"eval", "inference", "conversion", "metrics", "label", "paper_row", "run_json"}]}; relative paths
+resolve against the spec's folder. --config FILE --study NAME tabulates experiment NAME of a workflow
+config as the workflow does (mla/study/reports.py; paths relative to the working directory), with
+MLflow's store and experiment from the config:
+
+  mla table --config config.yaml --study gqa2mla --out results/tables/gqa2mla
+
 Writes OUT.csv and OUT.md.
 """
 
@@ -36,12 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--out", required=True, help="output path stem; writes OUT.csv and OUT.md")
     p.add_argument("--spec", help="JSON/YAML experiment spec (instead of --variant ...)")
+    p.add_argument("--config", help="workflow config (YAML): tabulate its experiment --study NAME")
     p.add_argument("--title", help="table title (default: the model name)")
     p.add_argument("--model", help="name of the source model (e.g. SmolLM2-135M)")
     p.add_argument("--paper-model", help="paper Table 1 model to compare with, or 'none'")
     p.add_argument("--variant", action=_Ordered, metavar="NAME", help="start a variant")
     p.add_argument("--d-kv", dest="d_kv", action=_Ordered, metavar="N", help="latent size per KV head")
     p.add_argument("--eval", action=_Ordered, metavar="JSON", help="evaluation JSON of `mla evaluate`")
+    p.add_argument("--inference", action=_Ordered, metavar="JSON",
+                   help="inference measurements of `mla evaluate --part inference` (optional)")
     p.add_argument("--conversion", action=_Ordered, metavar="JSON", help="conversion.json of `mla convert`")
     p.add_argument("--metrics", action=_Ordered, metavar="CSV", help="training metrics.csv")
     p.add_argument("--label", action=_Ordered, metavar="TEXT", help="the variant's legend label (a table column)")
@@ -51,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-json", dest="run_json", action=_Ordered, metavar="JSON",
                    help="run.json of the variant's training run: with --tracking-uri and --study its MLflow run "
                         "is tagged study.<STUDY> = label")
-    p.add_argument("--study", help="name of this table's experiment (the config's), for the runs' tags")
+    p.add_argument("--study", help="name of this table's experiment (the config's): the table of --config, and "
+                                   "the runs' tags")
     p.add_argument("--tracking-uri", help="MLflow tracking URI: log the table to a summary run")
     p.add_argument("--experiment", help="MLflow experiment of the summary run (with --tracking-uri)")
     p.add_argument("--summary-run", default="summary", help="name of the summary run (default: summary)")
@@ -83,7 +93,7 @@ def load_spec(path: str) -> dict:
     if not isinstance(data.get("variants"), list):
         raise UserError(f"{p}: expected a mapping with a 'variants' list")
     for v in data["variants"]:
-        for key in ("eval", "conversion", "metrics"):
+        for key in ("eval", "inference", "conversion", "metrics"):
             if v.get(key) and not Path(v[key]).is_absolute():
                 v[key] = str(p.parent / v[key])
     return data
@@ -108,9 +118,12 @@ def run(args) -> int:
     from mla.study import paper_numbers
     from mla.study.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
 
-    if args.spec and args.items:
-        raise UserError("give either --spec or --variant ..., not both")
-    spec = load_spec(args.spec) if args.spec else {"variants": variants_from_items(args.items)}
+    if sum(map(bool, (args.spec, args.items, args.config))) > 1:
+        raise UserError("give one of --spec, --config or --variant ...")
+    if args.config:
+        spec = _spec_from_config(args)
+    else:
+        spec = load_spec(args.spec) if args.spec else {"variants": variants_from_items(args.items)}
     if not spec["variants"]:
         raise UserError("nothing to tabulate: give --spec FILE or at least one --variant")
     model = args.model or spec.get("model")
@@ -135,7 +148,7 @@ def run(args) -> int:
         if paper_key is not None and paper_key != AUTO:
             paper_key = _paper_key(str(paper_key), paper_model, v.get("name"))
         variants.append(Variant(name=str(v["name"]), d_kv=d_kv, label=v.get("label"), paper_row=paper_key,
-                                **{k: Path(v[k]) for k in ("eval", "conversion", "metrics") if v.get(k)}))
+                                **{k: Path(v[k]) for k in ("eval", "inference", "conversion", "metrics") if v.get(k)}))
     try:
         header, rows = build_table(variants, paper_model)
     except TableInputError as exc:
@@ -154,6 +167,20 @@ def run(args) -> int:
         if args.study:
             tag_runs(args.tracking_uri, args.study, spec["variants"])
     return 0
+
+
+def _spec_from_config(args) -> dict:
+    """The table of experiment --study of --config (mla.study.reports.table_spec); MLflow from the config."""
+    from mla.errors import UserError
+    from mla.study import config_file, reports
+
+    cfg = config_file.load(args.config)
+    if args.study not in cfg["experiments"]:
+        raise UserError(f"--study {args.study!r}: not an experiment of {args.config} "
+                        f"({', '.join(cfg['experiments'])})")
+    args.tracking_uri = args.tracking_uri or cfg["mlflow"]["tracking_uri"]
+    args.experiment = args.experiment or cfg["mlflow"]["experiment"]
+    return reports.table_spec(cfg, args.study)
 
 
 def tag_runs(tracking_uri: str, study: str, variants: list[dict]) -> None:

@@ -17,19 +17,20 @@ Output folder (`mla.data.manifest`)::
     OUT/manifest.json                            request, tokens/documents/shares per source, sha256 per file
 
 Read it with `open_blocks(dir, split)` (a read-only memory map [n_blocks, block_length]) and
-`read_manifest(dir)`. Named corpora: ``pydoc-stdlib`` (offline default: the Python documentation's
-reStructuredText from Debian's python3.11-doc, 0.7, and the standard library's sources, 0.3) and
+`read_manifest(dir)`. Named corpora: ``pydoc-stdlib`` (offline default, from what every Python installs:
+the standard library's docstrings and pydoc's topics, 0.7, and its sources, 0.3), ``debian-docs-stdlib``
+(the documentation's reStructuredText from Debian's python3.11-doc instead of the docstrings) and
 ``smollm`` (the paper's Hub mixture, streamed with ``datasets``; `MLA_HUB_DATASETS_MIRROR` and
 `MLA_SWH_CONTENT_URL` swap its locations, see `mla.data.mirror`). A YAML/JSON file with a ``sources``
 list defines others (see `load_corpus`).
 """
 
 from mla.data.build import DEFAULT_VALIDATION_TOKENS, build_dataset
-from mla.data.corpus import (CORPORA, DEFAULT_CORPUS, PYDOC_STDLIB, SMOLLM_MIXTURE, SPLITS, Source, in_validation,
-                             load_corpus)
+from mla.data.corpus import (CORPORA, DEBIAN_DOCS_STDLIB, DEFAULT_CORPUS, PYDOC_STDLIB, SMOLLM_MIXTURE, SPLITS,
+                             Source, in_validation, load_corpus)
 from mla.data.manifest import MANIFEST, read_manifest, open_blocks
-from mla.data.readers import READERS, _stdlib_files
+from mla.data.readers import READERS, stdlib_files
 
-__all__ = ["CORPORA", "DEFAULT_CORPUS", "DEFAULT_VALIDATION_TOKENS", "MANIFEST", "PYDOC_STDLIB", "READERS",
-           "SMOLLM_MIXTURE", "SPLITS", "Source", "_stdlib_files", "build_dataset", "in_validation",
-           "load_corpus", "open_blocks", "read_manifest"]
+__all__ = ["CORPORA", "DEBIAN_DOCS_STDLIB", "DEFAULT_CORPUS", "DEFAULT_VALIDATION_TOKENS", "MANIFEST", "PYDOC_STDLIB", "READERS",
+           "SMOLLM_MIXTURE", "SPLITS", "Source", "build_dataset", "in_validation",
+           "load_corpus", "open_blocks", "read_manifest", "stdlib_files"]

@@ -186,6 +186,7 @@ class _Build:
                  checkpoint_tokens, log, on_checkpoint=None):
         self.request, self.readers, self.pool = request, readers, pool
         self.names = [s.name for s in sources]
+        self.split_names = {s.name: s.split_name for s in sources}
         self.tokenizer_path, self.info = tokenizer_path, info
         self.partial, self.state, self.checkpoint_tokens = partial, state, checkpoint_tokens
         self.log, self.on_checkpoint = log, on_checkpoint
@@ -220,8 +221,9 @@ class _Build:
         self.streams = {}
         try:
             for n in self.names:
-                self.streams[n] = TokenizedStream(n, self.readers[n], self.pool, self.request.validation_fraction,
-                                                  self._wanted, start=self.positions[n])
+                self.streams[n] = TokenizedStream(self.split_names[n], self.readers[n], self.pool,
+                                                  self.request.validation_fraction, self._wanted,
+                                                  start=self.positions[n])
                 self.streams[n].exhausted = n in self.exhausted
             self._open_outputs()
             self._mix()

@@ -24,8 +24,13 @@ class Source:
 
     name: str
     weight: float
-    kind: str  # pydoc_topics | python_docs | python_stdlib | text_files | hub
+    kind: str  # pydoc_topics | python_docstrings | python_docs | python_stdlib | text_files | hub
     options: dict = field(default_factory=dict)
+
+    @property
+    def split_name(self) -> str:
+        """The name whose hash assigns this source's documents to a split: its own, or ``split_as``."""
+        return self.options.get("split_as", self.name)
 
 
 # The paper's fine-tuning mixture (paper-spec §5.1) for SmolLM: smollm-corpus + open-web-math + stackoverflow.
@@ -43,22 +48,31 @@ SMOLLM_MIXTURE = [
     Source("stackoverflow-clean", 0.01, "hub", {"path": "bigcode/stackoverflow-clean", "column": "content"}),
 ]
 
-# Offline stand-ins: the Python documentation's reStructuredText (prose, for fineweb-edu; Debian's
-# python3.11-doc) and the standard library's sources (code, for python-edu). The pydoc topics are
-# excerpts of the same documentation, so they are not a third source (they would leak across splits).
-# "python-stdlib" is also the split-hash name of the local lm-eval task (mla/lm_eval_tasks).
+# Offline stand-ins, from what every Python installs: prose for fineweb-edu (0.7: the docstrings of the
+# standard library and pydoc's topics, the language reference's sections) and code for python-edu (0.3: the
+# standard library's sources). A module's docstrings split with its source file (`split_as`): a held-out
+# module is held out whole, as prose and as code, which the local lm-eval task (mla/lm_eval_tasks) relies on.
+# The prose weights follow the sources' sizes (SmolLM2's tokenizer: ~560k docstring and ~113k topic tokens).
 PYDOC_STDLIB = [
+    Source("python-docstrings", 0.6, "python_docstrings", {"split_as": "python-stdlib"}),
+    Source("pydoc-topics", 0.1, "pydoc_topics"),
+    Source("python-stdlib", 0.3, "python_stdlib"),
+]
+# The same with the whole documentation as prose: the reStructuredText of Debian's python3.11-doc (or the
+# folder MLA_PYTHON_DOCS names). The pydoc topics are excerpts of it, hence not a source of their own here.
+DEBIAN_DOCS_STDLIB = [
     Source("python-docs", 0.7, "python_docs"),
     Source("python-stdlib", 0.3, "python_stdlib"),
 ]
 
-CORPORA = {"pydoc-stdlib": PYDOC_STDLIB, "smollm": SMOLLM_MIXTURE}
+CORPORA = {"pydoc-stdlib": PYDOC_STDLIB, "debian-docs-stdlib": DEBIAN_DOCS_STDLIB, "smollm": SMOLLM_MIXTURE}
 DEFAULT_CORPUS = "pydoc-stdlib"
 
 
 def load_corpus(spec: str) -> tuple[str, list[Source]]:
-    """A named corpus (``pydoc-stdlib``, ``smollm``) or a YAML/JSON file ``{name, sources: [{name, weight,
-    kind, ...options}]}``. Returns (corpus name, sources)."""
+    """A named corpus (``pydoc-stdlib``, ``debian-docs-stdlib``, ``smollm``) or a YAML/JSON file ``{name,
+    sources: [{name, weight, kind, ...options}]}``. Returns (corpus name, sources). The option ``split_as``
+    makes a source's documents follow another source's split (same keys, same hash)."""
     if spec in CORPORA:
         return spec, list(CORPORA[spec])
     path = Path(spec)

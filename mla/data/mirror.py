@@ -21,7 +21,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from mla.data.readers import _read_text, _stdlib_files
+from mla.data.readers import _read_text, stdlib_files
 
 SMOLLM_CORPUS = "HuggingFaceTB/smollm-corpus"
 SMOLLM_CONFIGS = ("cosmopedia-v2", "fineweb-edu-dedup", "python-edu")
@@ -39,7 +39,7 @@ def _paragraphs() -> list[str]:
 def _modules(limit: int = 400) -> list[tuple[str, str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for path in _stdlib_files(root):
+    for path in stdlib_files(root):
         text = _read_text(path)  # empty when unreadable
         if len(text) > 200:
             out.append((str(path.relative_to(root)), text[:6000]))

@@ -13,6 +13,7 @@ and `MLA_SWH_CONTENT_URL` swaps the Software Heritage bucket that python-edu's b
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import os
@@ -28,6 +29,7 @@ from mla.data.corpus import Source
 from mla.errors import UserError
 
 PYTHON_DOCS_ROOT = "/usr/share/doc/python3.11/html/_sources"  # Debian 12's python3.11-doc
+PYTHON_DOCS_ENV = "MLA_PYTHON_DOCS"  # another folder of the documentation's .rst.txt sources (python.org's HTML archive)
 SWH_CONTENT_URL = "https://softwareheritage.s3.amazonaws.com/content"
 FETCH_THREADS = 32    # blob requests in flight: one request per file is latency-bound, not bandwidth-bound
 FETCH_WINDOW = 256    # blobs fetched ahead of the consumer (bounded memory, order preserved)
@@ -37,9 +39,33 @@ def _stable_int(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
-def _stdlib_files(root: Path) -> list[Path]:
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+def stdlib_files(root: Path) -> list[Path]:
+    """The standard library's modules under `root`, sorted: tests, installed packages and `pydoc_data`
+    (the generated module that holds the pydoc topics, a prose source of their own) left out."""
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def docstrings(source: str, module: str) -> str:
+    """Every docstring of a module's source, in source order, each under its qualified name
+    (``json.dumps``): the module's, then its classes', functions' and methods'. Empty when the source
+    does not parse or has none."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    parts = []
+
+    def visit(node, name):
+        doc = ast.get_docstring(node)  # indentation cleaned as pydoc shows it
+        if doc and doc.strip():
+            parts.append(f"{name}\n\n{doc.strip()}")
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{name}.{child.name}")
+
+    visit(tree, module)
+    return "\n\n".join(parts)
 
 
 def _read_text(path: Path, errors: str = "strict") -> str:
@@ -135,24 +161,39 @@ class FileTree(LocalReader):
 
 
 class PythonDocs(FileTree):
-    """The Python documentation's reStructuredText sources (Debian package python3.11-doc): prose."""
+    """The Python documentation's reStructuredText sources (Debian package python3.11-doc, or the folder
+    that MLA_PYTHON_DOCS names): prose. Optional: only the `debian-docs-stdlib` corpus reads them."""
 
-    default_root = PYTHON_DOCS_ROOT
     default_glob = "**/*.rst.txt"
+
+    @property
+    def default_root(self) -> str:
+        return os.environ.get(PYTHON_DOCS_ENV) or PYTHON_DOCS_ROOT
 
     def missing_root(self):
         return (f"source {self.source.name!r}: the Python documentation sources are not at {self.root}; "
-                f"install Debian's python3.11-doc (apt-get install python3.11-doc), or use a corpus file")
+                f"install Debian's python3.11-doc (apt-get install python3.11-doc), point {PYTHON_DOCS_ENV} at "
+                f"them, or use the corpus pydoc-stdlib (docstrings, no system package)")
 
 
 class PythonStdlib(FileTree):
-    """The standard library's .py files (tests and site-packages excluded): code."""
+    """The standard library's .py files (tests, site-packages and pydoc_data excluded): code."""
 
     default_root = sysconfig.get_paths()["stdlib"]
     decode_errors = "strict"  # a module that is not valid UTF-8 is skipped, not read with replacement characters
 
     def files(self):
-        return _stdlib_files(self.root)
+        return stdlib_files(self.root)
+
+
+class PythonDocstrings(PythonStdlib):
+    """The docstrings of the standard library's modules, classes and functions (`docstrings`), one
+    document per module file keyed by its path like `PythonStdlib`'s: prose that every Python ships."""
+
+    def text(self, key):
+        source = super().text(key)
+        module = ".".join(Path(key).with_suffix("").parts).removesuffix(".__init__")
+        return docstrings(source, module) if source else ""
 
 
 # ---------------------------------------------------------------------------------------------- Hub
@@ -273,6 +314,7 @@ READERS = {
     "pydoc_topics": PydocTopics,
     "python_docs": PythonDocs,
     "python_stdlib": PythonStdlib,
+    "python_docstrings": PythonDocstrings,
     "text_files": FileTree,
     "hub": HubReader,
 }

@@ -117,15 +117,15 @@ class Doc:
 
 
 class TokenizedStream:
-    """One source's documents, split-assigned and tokenized, in source order.
+    """One source's documents, split-assigned (hash of `split_name` and key) and tokenized, in source order.
 
     `wanted(split)` says whether a split still takes documents; once False it stays False, so
     skipping such documents before tokenization cannot change the output.
     """
 
-    def __init__(self, name: str, reader, pool: TokenizerPool, fraction: float, wanted: Callable[[str], bool],
+    def __init__(self, split_name: str, reader, pool: TokenizerPool, fraction: float, wanted: Callable[[str], bool],
                  start: int = 0):
-        self.name, self.pool, self.fraction, self.wanted = name, pool, fraction, wanted
+        self.split_name, self.pool, self.fraction, self.wanted = split_name, pool, fraction, wanted
         self._documents = reader.documents(start)  # a generator: nothing is read before the first batch
         self._next_position = start
         self.position = start            # documents before this one are consumed
@@ -149,7 +149,7 @@ class TokenizedStream:
             self._next_position += 1
             if not text or not text.strip():
                 continue
-            split = split_of(self.name, key, self.fraction)
+            split = split_of(self.split_name, key, self.fraction)  # the source's, or its split_as
             if not self.wanted(split):
                 continue
             texts.append(text)

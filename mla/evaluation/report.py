@@ -1,9 +1,14 @@
-"""One evaluation JSON per checkpoint, and its metrics in the variant's MLflow run.
+"""One evaluation JSON per checkpoint and part, and its metrics in the variant's MLflow run.
+
+Two parts (`EvalOptions.part`, mla/study/evaluation_jobs.py): *quality* (kv_cache, perplexity,
+benchmarks, pass keys with the full-precision cache: the workflow's eval.json) and *inference*
+(decode, kv_quant, pass keys with quantized caches, LongBench: inference.json); *all* (the default by
+hand) runs both into one JSON.
 
 Layout (schema "mla.evaluation/1"); a section not requested is null, a benchmark that could not run
 says so in "status"/"reason" and carries no numbers:
 
-    checkpoint, variant, model_type, is_mla, d_kv, r, params, device, dtype, threads, created, versions,
+    part, checkpoint, variant, model_type, is_mla, d_kv, r, params, device, dtype, threads, created, versions,
     kv_cache     {cache_class, batch, cached_tokens, dtype, cache_bytes, elements_per_token,
                   bytes_per_token_formula, bytes_per_token_measured, matches_formula}
     perplexity   {source, split, blocks, tokens, mean_loss, mean_loss_stderr, perplexity,
@@ -30,6 +35,7 @@ says so in "status"/"reason" and carries no numbers:
                   longbench: {status: ok|partial|skipped, skipped?, scores{column: {task, score, stderr, n}},
                               mean, mean_stderr, ...} | null} | null
     seconds      {stage: wall seconds}
+    cpu_seconds  {stage: CPU seconds of the process, all threads (on a busy machine: what the stage costs)}
 
 Every accuracy and perplexity carries its standard error in a sibling `*_stderr` field (None where
 it cannot be estimated, e.g. from a single block); see perplexity.py and harness.py for the methods.
@@ -44,13 +50,15 @@ from pathlib import Path
 from mla.study.options import DEFAULT_VALIDATION_FRACTION
 
 SCHEMA = "mla.evaluation/1"
-TOP_LEVEL_FIELDS = ("schema", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",
+PARTS = ("quality", "inference", "all")
+TOP_LEVEL_FIELDS = ("schema", "part", "checkpoint", "variant", "model_type", "is_mla", "d_kv", "r", "params", "device", "dtype",
                     "threads", "created", "versions", "kv_cache", "perplexity", "benchmarks", "decode", "kv_quant",
-                    "long_context", "seconds")
+                    "long_context", "seconds", "cpu_seconds")
 
 
 @dataclass
 class EvalOptions:
+    part: str = "all"                    # quality | inference | all (both, one JSON)
     blocks: str | None = None            # `mla data` folder or .npy of token blocks; None -> no perplexity
     split: str = "validation"
     max_blocks: int | None = None
@@ -96,30 +104,45 @@ def _versions() -> dict:
 
 def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "", variant: str | None = None,
                    log=print) -> dict:
-    """Every requested measurement of one loaded model, as the JSON-ready dict described above."""
+    """Every requested measurement of `opts.part` of one loaded model, as the JSON-ready dict described above."""
     import torch
 
     from mla.conversion.convert import count_parameters
-    from mla.evaluation import decode, harness, perplexity
-    from mla.kv import measure_bytes
 
     cfg = model.config
     is_mla = getattr(cfg, "model_type", "") == "mla_llama"
     prov = (getattr(cfg, "mha2mla", None) or {}) if is_mla else {}
     result = {k: None for k in TOP_LEVEL_FIELDS}
-    result.update(schema=SCHEMA, checkpoint=str(checkpoint), variant=variant, model_type=cfg.model_type,
+    if opts.part not in PARTS:
+        raise ValueError(f"evaluation part {opts.part!r}: one of {', '.join(PARTS)}")
+    result.update(schema=SCHEMA, part=opts.part, checkpoint=str(checkpoint), variant=variant, model_type=cfg.model_type,
                   is_mla=is_mla, d_kv=prov.get("d_kv"), r=prov.get("r"), params=count_parameters(model),
                   device=str(next(model.parameters()).device),
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                   threads=torch.get_num_threads(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  versions=_versions(), benchmarks={"local": None, "paper": None, "mmlu": None}, seconds={})
+                  versions=_versions(), benchmarks={"local": None, "paper": None, "mmlu": None}, seconds={},
+                  cpu_seconds={})
 
     def stage(name, fn):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         value = fn()
         result["seconds"][name] = round(time.perf_counter() - t0, 3)
-        log(f"evaluate: {name} done in {result['seconds'][name]:.1f}s")
+        result["cpu_seconds"][name] = round(time.process_time() - c0, 3)
+        log(f"evaluate: {name} done in {result['seconds'][name]:.1f}s ({result['cpu_seconds'][name]:.1f} s of CPU)")
         return value
+
+    if opts.part in ("quality", "all"):
+        _quality(result, model, tokenizer, opts, log, stage)
+    if opts.part in ("inference", "all"):
+        _inference(result, model, tokenizer, opts, log, stage)
+    return result
+
+
+def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
+    """KV-cache bytes, held-out perplexity, the benchmarks, pass keys with the full-precision cache."""
+    from mla.evaluation import harness, perplexity
+    from mla.kv import measure_bytes
+    from mla.kv.accounting import FULL_PRECISION_BITS
 
     result["kv_cache"] = stage("kv_cache", lambda: measure_bytes.measure_kv_bytes(
         model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens))
@@ -129,11 +152,9 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
             model, blocks, batch_size=opts.ppl_batch_size, max_blocks=opts.max_blocks))
         result["perplexity"] = {"source": str(opts.blocks),
                                 "split": None if str(opts.blocks).endswith(".npy") else opts.split, **ppl}
-    if opts.kv_bits:
-        result["kv_quant"] = stage("kv_quant", lambda: measure_kv_quant(
-            model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
-    if opts.needle_lengths or opts.longbench != "off":
-        result["long_context"] = stage("long_context", lambda: measure_long_context(model, tokenizer, opts, log))
+    if opts.needle_lengths:
+        result["long_context"] = stage("passkey", lambda: measure_long_context(
+            model, tokenizer, opts, log, widths=[FULL_PRECISION_BITS], longbench=False))
     if opts.local_task:
         result["benchmarks"]["local"] = stage("local_task", lambda: harness.local_task(
             model, tokenizer, num_docs=opts.local_docs, validation_fraction=opts.validation_fraction,
@@ -147,6 +168,24 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     if opts.mmlu:
         result["benchmarks"]["mmlu"] = stage("mmlu", lambda: harness.mmlu_cloze(
             model, tokenizer, num_questions=opts.mmlu, seed=opts.mmlu_seed, batch_size=opts.lm_eval_batch_size))
+
+
+def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
+    """Quantized caches (bytes, decoded losses, pass keys), LongBench, decode speed."""
+    from mla.evaluation import decode, perplexity
+    from mla.kv.accounting import FULL_PRECISION_BITS
+
+    if opts.part == "inference":
+        result["benchmarks"] = None
+    if opts.kv_bits:
+        result["kv_quant"] = stage("kv_quant", lambda: measure_kv_quant(
+            model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
+    quantized = sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True) if opts.needle_lengths else []
+    if quantized or opts.longbench != "off":
+        measured = stage("long_context", lambda: measure_long_context(
+            model, tokenizer, opts, log, widths=quantized, longbench=opts.longbench != "off"))
+        full = (result["long_context"] or {}).get("needle") or {}     # part all: the quality part's full cache
+        result["long_context"] = {**measured, "needle": {**full, **(measured["needle"] or {})} or None}
     if opts.decode_grid:
         original = None
         if opts.original:
@@ -157,7 +196,6 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
         result["decode"] = stage("decode", lambda: decode.decode_grid(
             model, opts.decode_grid, steps=opts.decode_steps, original=original, log=log,
             quant=_decode_quant(model, opts)))
-    return result
 
 
 def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
@@ -181,15 +219,16 @@ def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     return out
 
 
-def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
-    """Pass-key retrieval with the full cache and each quantized width; LongBench when asked and online."""
-    from mla.evaluation import longbench, needle
+def measure_long_context(model, tokenizer, opts: EvalOptions, log, widths: list[int], longbench: bool) -> dict:
+    """Pass-key retrieval with the cache at each of `widths` (16 = full precision); LongBench when asked
+    (and online)."""
+    from mla.evaluation import longbench as longbench_
+    from mla.evaluation import needle
     from mla.kv import quantized
-    from mla.kv.accounting import FULL_PRECISION_BITS
 
     out = {"needle": None, "longbench": None}
-    lengths = needle.fitting_lengths(model, opts.needle_lengths)
-    if opts.needle_lengths and not lengths:
+    lengths = needle.fitting_lengths(model, opts.needle_lengths) if widths else []
+    if widths and not lengths:
         out["needle_skipped"] = (f"no length of {opts.needle_lengths} fits the model's "
                                  f"{model.config.max_position_embeddings} positions")
         log(f"evaluate: pass key skipped: {out['needle_skipped']}")
@@ -199,7 +238,7 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
             log(f"evaluate: pass key: {out['needle_lengths_skipped']} exceed the model's "
                 f"{model.config.max_position_embeddings} positions, skipped")
         out["needle"] = {}
-        for b in sorted(set(opts.kv_bits) | {FULL_PRECISION_BITS}, reverse=True):
+        for b in widths:
             reason = quantized.unsupported(model, b)
             if reason:
                 out["needle"][str(b)] = {"status": "skipped", "reason": reason}
@@ -209,9 +248,9 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log) -> dict:
                                          seed=opts.needle_seed, cache_factory=quantized.cache_factory(model, quant))
             out["needle"][str(b)] = {"status": "ok", **res}
             log(f"evaluate: pass key, {b}-bit cache: {100 * res['mean']:.1f} ± {100 * res['mean_stderr']:.1f} %")
-    if opts.longbench != "off":
-        out["longbench"] = longbench.longbench(model, tokenizer, limit=opts.longbench_limit,
-                                               max_length=opts.longbench_max_length, batch_size=1)
+    if longbench:
+        out["longbench"] = longbench_.longbench(model, tokenizer, limit=opts.longbench_limit,
+                                                max_length=opts.longbench_max_length, batch_size=1)
         lb = out["longbench"]
         if lb.get("status") == "skipped":
             log(f"evaluate: skipped: {lb['skipped']}")

@@ -24,10 +24,10 @@ N_CHOICES = 4
 
 
 def heldout_files(root: Path, validation_fraction: float) -> list[tuple[str, list[str]]]:
-    from mla.data import _stdlib_files, in_validation
+    from mla.data import stdlib_files, in_validation
 
     out = []
-    for path in _stdlib_files(root):
+    for path in stdlib_files(root):
         key = str(path.relative_to(root))
         if not in_validation(SOURCE_NAME, key, validation_fraction):
             continue

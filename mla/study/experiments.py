@@ -18,8 +18,9 @@ experiments runs once:
   fit         results/fit/<model>/<conversion>/<fit>, fit = `f` + 8 hex of the fit settings
   fine-tune   results/finetune/<model>/<start>/<recipe>, start = a conversion, <conversion>-<fit> or `baseline`,
               recipe = `t` + 8 hex of the training recipe (launch settings such as nproc left out)
-  evaluation  results/evaluate/<model>/<start>/<recipe>/eval.json, and
-              results/evaluate/<model>/original/eval.json once per model
+  evaluation  results/evaluate/<model>/<start>/<recipe>/{eval,inference}.json, and
+              results/evaluate/<model>/original/{eval,inference}.json once per model: quality
+              (eval.json) and inference measurements (inference.json), mla.study.evaluation_jobs
 
 Names, legend labels, the MLflow experiment and the tracking URI are not part of any key: changing
 them reruns nothing but the figure and tables.
@@ -129,7 +130,13 @@ class Variant:
 
     @property
     def eval_path(self) -> str:
+        """The quality evaluation's JSON (perplexity, benchmarks, pass keys with the full cache)."""
         return f"results/evaluate/{self.model}/{self.start}/{self.recipe}/eval.json"
+
+    @property
+    def inference_path(self) -> str:
+        """The inference measurements' JSON (decode speed, quantized caches, LongBench)."""
+        return f"results/evaluate/{self.model}/{self.start}/{self.recipe}/inference.json"
 
 
 def _rope_dims_text(v: Variant) -> str:
@@ -175,6 +182,10 @@ def run_dir(model: str, start: str, recipe: str) -> str:
 
 def original_eval_path(model: str) -> str:
     return f"results/evaluate/{model}/original/eval.json"
+
+
+def original_inference_path(model: str) -> str:
+    return f"results/evaluate/{model}/original/inference.json"
 
 
 def recipe_settings(train: dict) -> dict:
@@ -441,10 +452,26 @@ class Study:
             rows.append(("original", original_eval_path(model), None))
         return rows + [(v.name, v.eval_path, v) for v in self.experiment(experiment)]
 
+    def inference_measured(self, experiment: str) -> list[tuple[str, str]]:
+        """(row name, inference.json) of an experiment's checkpoints, in the order of `evaluated`."""
+        return [(name, original_inference_path(self.config["experiments"][experiment]["model"]) if v is None
+                 else v.inference_path) for name, _, v in self.evaluated(experiment)]
+
+    @property
+    def measures_inference(self) -> bool:
+        """evaluate.inference: the inference measurements are part of `all` and of the tables."""
+        return bool(self.config["evaluate"].get("inference", False))
+
+    def inference_targets(self) -> list[str]:
+        """Every checkpoint's inference.json (the target `snakemake inference`)."""
+        return list(dict.fromkeys(path for e in self.config["experiments"] for _, path in self.inference_measured(e)))
+
     def targets(self) -> list[str]:
         out = []
         for e in self.config["experiments"]:
             out += [path for _, path, _ in self.evaluated(e)]
+            if self.measures_inference:
+                out += [path for _, path in self.inference_measured(e)]
             out += [f"results/tables/{e}.csv", f"results/tables/{e}.md"]
         return list(dict.fromkeys(out)) + ["results/figures/loss.png", "results/figures/loss.pdf"]
 

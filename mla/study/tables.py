@@ -1,7 +1,10 @@
 """Results tables: one per experiment (source model), as CSV and Markdown, beside the paper's numbers.
 
 An experiment is a list of variants; each variant may bring
-  - `eval`: the JSON written by `mla evaluate` (perplexity, benchmark scores, KV bytes, decode speed);
+  - `eval`: the JSON written by `mla evaluate` (perplexity, benchmark scores, KV bytes, pass keys; by hand
+    it may hold the inference measurements too);
+  - `inference`: optional, the inference measurements' JSON (`mla evaluate --part inference`: decode speed,
+    quantized caches, pass keys with them, LongBench), whose sections complete `eval`'s;
   - `conversion`: the conversion.json written by `mla convert` (params_before/after,
     kv_elements_per_token_before/after, kv_ratio);
   - `metrics`: the training metrics.csv (final training loss = mean loss of the last FINAL_LOSS_STEPS steps).
@@ -48,6 +51,7 @@ class Variant:
     name: str
     d_kv: int | None = None
     eval: Path | None = None
+    inference: Path | None = None
     conversion: Path | None = None
     metrics: Path | None = None
     label: str | None = None                 # shown in a `label` column when any variant has one
@@ -95,11 +99,29 @@ def _decode_summary(decode: dict | None) -> tuple[float | None, float | None, st
     return measured, best.get("predicted_speedup"), f"{best['batch']}x{best['context']}"
 
 
+INFERENCE_SECTIONS = ("decode", "kv_quant")
+
+
+def merged_evaluation(quality: dict, inference: dict) -> dict:
+    """One checkpoint's evaluation as a table reads it: the quality JSON completed by the inference JSON's
+    sections (decode, kv_quant, LongBench, and pass keys with the quantized caches beside the full cache's)."""
+    if not inference:
+        return quality
+    out = dict(quality)
+    for key in INFERENCE_SECTIONS:
+        if inference.get(key) is not None:
+            out[key] = inference[key]
+    q, i = quality.get("long_context") or {}, inference.get("long_context") or {}
+    needle = {**(q.get("needle") or {}), **(i.get("needle") or {})}
+    out["long_context"] = {"needle": needle or None, "longbench": i.get("longbench") or q.get("longbench")}
+    return out
+
+
 def collect(variants: list[Variant]) -> list[dict]:
     """One dict of raw values per variant (None where an input was not given)."""
     rows = []
     for v in variants:
-        ev = _read_json(v.eval) if v.eval else {}
+        ev = merged_evaluation(_read_json(v.eval) if v.eval else {}, _read_json(v.inference) if v.inference else {})
         conv = _read_json(v.conversion) if v.conversion else {}
         d_kv = v.d_kv
         if d_kv is None:

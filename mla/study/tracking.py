@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 DEFAULT_TRACKING_URI = "sqlite:///results/mlflow.db"
@@ -34,6 +35,17 @@ def _sqlite_path(uri: str) -> Path | None:
     return None
 
 
+@contextmanager
+def _sqlite_lock(db: Path):
+    """An exclusive lock beside a sqlite store, for what parallel jobs must not do at once."""
+    import fcntl
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def client_for(tracking_uri: str | None = None):
     """A client of the store at `tracking_uri`. A sqlite store is opened under a file lock: MLflow's
     first use of a new database migrates its schema, and parallel jobs doing that at once collide
@@ -44,11 +56,7 @@ def client_for(tracking_uri: str | None = None):
     db = _sqlite_path(uri)
     if db is None:
         return MlflowClient(tracking_uri=uri)
-    import fcntl
-
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _sqlite_lock(db):
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)     # creates (and migrates) the database inside the lock
     return client
@@ -113,11 +121,17 @@ def get_or_create_run(tracking_uri: str | None, experiment: str, run_name: str, 
     from mlflow.entities import Param, RunTag
 
     client = client_for(tracking_uri)
-    exp_id = _experiment_id(client, experiment, _sqlite_path(client.tracking_uri))
-    run = find_run(client, exp_id, run_name)
+    db = _sqlite_path(client.tracking_uri)
     all_tags = {**default_tags(), **{k: str(v) for k, v in (tags or {}).items() if v is not None}}
-    if run is None:
-        run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
+    # found or created under the store's lock: two jobs of one run (an original model's quality and inference
+    # evaluations, the figure's and the tables' summary run) must not both create it
+    with _sqlite_lock(db) if db else nullcontext():
+        exp_id = _experiment_id(client, experiment, db)
+        run = find_run(client, exp_id, run_name)
+        created = run is None
+        if created:
+            run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
+    if created:
         have = {}
     else:
         client.update_run(run.info.run_id, status="RUNNING")

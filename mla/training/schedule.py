@@ -8,11 +8,13 @@ scheduler step s (0-based: step s is the (s+1)-th optimizer update) is
     T - D <= s:      1 - sqrt((s - (T - D)) / D), clamped at 0 from s >= T
 
 as in nanotron's `lr_scheduler_builder` (warmup_style linear, decay_style 1-sqrt, min lr 0).
+transformers' warmup-stable-decay scheduler (`get_wsd_schedule`) computes exactly these numbers with a
+linear warmup, a 1-sqrt decay, min_lr_ratio 0 and a stable phase of T - W - D steps, so the Trainer
+builds it from `scheduler_arguments` (tests/test_schedule.py compares the two float for float,
+including W = 0 and D = 0).
 """
 
 from __future__ import annotations
-
-import math
 
 from mla.errors import UserError
 
@@ -27,24 +29,9 @@ def check_schedule(total_steps: int, warmup_steps: int, decay_steps: int) -> Non
                         f"training steps")
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int, decay_steps: int) -> float:
-    """Factor applied to the peak lr at 0-based scheduler step `step`."""
-    if step >= total_steps:
-        return 0.0
-    if step < warmup_steps:
-        return step / warmup_steps
-    decay_start = total_steps - decay_steps
-    if step < decay_start:
-        return 1.0
-    return 1.0 - math.sqrt((step - decay_start) / decay_steps)
-
-
-def warmup_constant_sqrt_decay(optimizer, total_steps: int, warmup_steps: int, decay_steps: int):
-    """A `torch.optim.lr_scheduler.LambdaLR` following `lr_multiplier` (the Trainer steps it once per update)."""
-    from functools import partial
-
-    from torch.optim.lr_scheduler import LambdaLR
-
+def scheduler_arguments(total_steps: int, warmup_steps: int, decay_steps: int) -> dict:
+    """`TrainingArguments` fields for the schedule over `total_steps` (the Trainer's max_steps)."""
     check_schedule(total_steps, warmup_steps, decay_steps)
-    return LambdaLR(optimizer, partial(lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps,
-                                       decay_steps=decay_steps))
+    return {"lr_scheduler_type": "warmup_stable_decay", "warmup_steps": warmup_steps,
+            "lr_scheduler_kwargs": {"num_decay_steps": decay_steps, "warmup_type": "linear",
+                                    "decay_type": "1-sqrt", "min_lr_ratio": 0.0}}

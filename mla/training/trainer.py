@@ -25,7 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from mla import atomic
 from mla.errors import UserError
 from mla.study import tracking
-from mla.training.schedule import warmup_constant_sqrt_decay
+from mla.training.schedule import scheduler_arguments
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
 # with distillation `loss` stays the next-token cross-entropy (what the figure and tables compare across runs);
@@ -59,29 +59,17 @@ class BlockDataset(torch.utils.data.Dataset):
 
 
 class MLATrainer(Trainer):
-    """Trainer with the paper's schedule, sequential reading of `BlockDataset`, the recipe's AdamW
-    parameter groups (`mla.training.optimizer`), a NaN/inf guard, and optionally distillation
-    (`mla.training.distill`: the loss CE + weight x T^2 x KL, both parts logged)."""
+    """Trainer with sequential reading of `BlockDataset`, DeepSpeed engine tuning, a NaN/inf guard, and optionally
+    distillation (`mla.training.distill`: the loss CE + weight x T^2 x KL, both parts logged). The paper's schedule
+    (`mla.training.schedule`) and AdamW without decay on norms and biases are the Trainer's own
+    (warmup_stable_decay; `Trainer.get_decay_parameter_names`, see `mla.training.optimizer`)."""
 
-    def __init__(self, *args, schedule: tuple[int, int, int], distill=None, **kwargs):
-        self._schedule = schedule
+    def __init__(self, *args, distill=None, **kwargs):
         self.distill = distill
         self._parts = None               # (ce, kl) of the last micro-batch, scaled as the Trainer scales the loss
         self._part_sums = None           # their sums since the last log, as the Trainer's tr_loss
         self._parts_logged_at = None     # global step of the last log
         super().__init__(*args, **kwargs)
-
-    def get_decay_parameter_names(self, model) -> list[str]:
-        from mla.training.optimizer import decay_parameter_names
-
-        return decay_parameter_names(model)
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if self.lr_scheduler is None:
-            total, warmup, decay = self._schedule
-            self.lr_scheduler = warmup_constant_sqrt_decay(optimizer or self.optimizer, total, warmup, decay)
-            self._created_lr_scheduler = True
-        return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not getattr(self, "_engine_tuned", False):
@@ -305,7 +293,8 @@ def training_arguments(cfg, cuda: bool, bf16: bool, universal: bool = False) -> 
         output_dir=str(cfg.checkpoint_dir), max_steps=cfg.steps, per_device_train_batch_size=cfg.micro_batch,
         gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_eps, max_grad_norm=cfg.clip,
-        lr_scheduler_type="constant", warmup_steps=0, logging_steps=cfg.log_steps, logging_nan_inf_filter=False,
+        **scheduler_arguments(cfg.steps, cfg.warmup_steps, cfg.decay_steps),
+        logging_steps=cfg.log_steps, logging_nan_inf_filter=False,
         save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
         report_to=[], deepspeed=ds_config, use_cpu=not cuda, bf16=bf16, seed=cfg.seed,
         data_seed=cfg.seed, train_sampling_strategy="sequential", dataloader_drop_last=True,
@@ -361,7 +350,7 @@ def build_trainer(cfg, cuda: bool, bf16: bool, dataset, callbacks=(), universal:
         distill = Distillation(teacher.to(args.device), cfg.distill_weight, cfg.distill_temperature)
     return MLATrainer(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks),
                       optimizer_cls_and_kwargs=optimizer_class_and_kwargs(cfg, cuda),
-                      schedule=(cfg.steps, cfg.warmup_steps, cfg.decay_steps), distill=distill)
+                      distill=distill)
 
 
 def checkpointed_layers(model) -> int:

@@ -8,10 +8,8 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from mla.study import budgets, experiments
+from mla.study import budgets, config_file, evaluation_jobs, experiments, reports
 from mla.study.config_schema import config_problems
-from mla.evaluation import mmlu
-from mla.kv.accounting import group_size_for
 from mla.study.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
 from mla.training import walltime
 from mla.training.config import WORKFLOW_NAMES, workflow_options
@@ -29,19 +27,13 @@ def check_config(cfg):
     if problems:
         lines = "\n".join(f"  config key '{k}': {msg}" for k, msg in problems)
         raise WorkflowError(f"Invalid configuration ({len(problems)} problem(s)); nothing was run:\n{lines}")
-    for exp in cfg["experiments"].values():  # YAML may give 8.0 for 8; wildcards need canonical ints
-        exp["d_kv"] = [int(d) for d in exp["d_kv"]]
-    return cfg
+    return config_file.normalised(cfg)  # YAML may give 8.0 for 8; wildcards need canonical ints
 
 
 # ---------------------------------------------------------------- names (all from mla.study.experiments)
 def root_model(name):
     """The model whose tokenizer (and data) a model uses: derived models share their parent's."""
     return budgets.root_model(config, name)
-
-
-def model_label(name):
-    return config["models"][name].get("label", name)
 
 
 def _alternatives(values):
@@ -200,113 +192,23 @@ def finetune_retries():
 
 
 # ---------------------------------------------------------------- evaluate rules
-def evaluate_args(wc):
-    e = config["evaluate"]
-    args = ["--paper-tasks", e["paper_tasks"], "--kv-new-tokens", e["kv_new_tokens"],
-            "--decode-grid", ",".join(e["decode_grid"]) or "none", "--decode-steps", e["decode_steps"]]
-    if e["perplexity_blocks"] is not None:
-        args += ["--max-blocks", e["perplexity_blocks"]]
-    if e["local_task"]:
-        args += ["--local-docs", e["local_docs"], "--validation-fraction", config["data"]["validation_fraction"]]
-    else:
-        args += ["--no-local-task"]
-    if e["paper_limit"] is not None:
-        args += ["--paper-limit", e["paper_limit"]]
-    if e["mmlu"] != 0:   # null: all of MMLU's test split
-        args += ["--mmlu", e["mmlu"] or mmlu.TOTAL_QUESTIONS, "--mmlu-seed", e["mmlu_seed"]]
-    if e["kv_bits"]:
-        args += ["--kv-bits", ",".join(map(str, e["kv_bits"])), "--kv-group-size", group_size_for(e, wc.model),
-                 "--kv-residual", e["kv_residual"], "--kv-scored", e["kv_scored"], "--kv-blocks", e["kv_blocks"]]
-    if e["needle_lengths"]:
-        args += ["--needle", ",".join(map(str, e["needle_lengths"])), "--needle-samples", e["needle_samples"]]
-    if e["longbench"] != "off":
-        args += ["--longbench", e["longbench"]]
-        if e["longbench_limit"] is not None:
-            args += ["--longbench-limit", e["longbench_limit"]]
-    if needs_prefetch():
-        args += ["--prefetched", PREFETCH_MANIFEST]
-    return " ".join(shlex.quote(str(a)) for a in args)
+# Each checkpoint's quality and inference jobs take their settings from the config file (`mla evaluate
+# --config`); `params:` lists those of each part (mla.study.evaluation_jobs), Snakemake's rerun trigger.
+def evaluation_settings(part):
+    return lambda wc: evaluation_jobs.settings(config, wc.model, part)
 
 
-# Evaluation data is fetched by a local rule on the submitting host; the evaluation jobs run offline
+# The evaluation data is fetched by a local rule on the submitting host; the evaluation jobs run offline
 # (compute nodes of many clusters have no internet), reading what it fetched.
-PREFETCH_MANIFEST = "results/evaluation-data/manifest.json"
+PREFETCH_MANIFEST = evaluation_jobs.PREFETCH_MANIFEST
 EVALUATE_ENV = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"
 
 
-def needs_prefetch():
-    e = config["evaluate"]
-    return e["mmlu"] != 0 or e["paper_tasks"] == "auto" or e["longbench"] == "auto"
-
-
-def prefetch_inputs(wc):
-    return {"prefetched": PREFETCH_MANIFEST} if needs_prefetch() else {}
+def prefetch_inputs(part):
+    return {"prefetched": PREFETCH_MANIFEST} if evaluation_jobs.needs_prefetch(config, part) else {}
 
 
 def prefetch_args():
     e = config["evaluate"]
     return (("--mmlu " if e["mmlu"] != 0 else "") + f"--paper-tasks {e['paper_tasks']}"
             + (" --longbench auto" if e["longbench"] == "auto" else ""))
-
-
-# ---------------------------------------------------------------- figures rules
-def plot_inputs(wc):
-    inputs = []
-    for v in STUDY.variants:
-        inputs.append(f"{v.run_dir}/metrics.csv")
-        if not v.is_baseline:
-            inputs.append(v.convert_dir)
-    return list(dict.fromkeys(inputs))
-
-
-def plot_args(wc):
-    args = []
-    for e, exp in config["experiments"].items():
-        # the paper's panel titles: method and model, e.g. "MHA2MLA: Llama2-7B"
-        title = exp.get("title") or f"{exp['kind'].upper()}2MLA: {model_label(exp['model'])}"
-        args += ["--panel", title, "--kind", exp["kind"]]
-        for v in STUDY.experiment(e):
-            key = "baseline" if v.is_baseline else v.name
-            args += ["--run", f"{key}={v.run_dir}/metrics.csv", "--label", v.label]
-            if not v.is_baseline:
-                args += ["--conversion", f"{v.convert_dir}/conversion.json"]
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def table_inputs(wc):
-    inputs = {}
-    for name, path, v in STUDY.evaluated(wc.experiment):
-        inputs[f"eval_{name}"] = path
-        if v is not None:
-            inputs[f"metrics_{name}"] = f"{v.run_dir}/metrics.csv"
-            if not v.is_baseline:
-                inputs[f"convert_{name}"] = v.convert_dir
-    return inputs
-
-
-def _paper_row(v):
-    """The paper's row beside a variant: its `paper:` key, else Table 1's row when it uses the paper's
-    recipe (S_2-norm, SVD_joint, the d_kv short form), else none."""
-    if v is None:
-        return "original"
-    if v.paper is not None:
-        return str(v.paper)
-    if v.is_baseline:
-        return "baseline"
-    recipe = v.rope_strategy == "2-norm" and v.svd == "joint" and v.name == f"dkv{v.d_kv}"
-    return "auto" if recipe else "none"   # auto: Table 1's row of this d_kv, if the paper has one
-
-
-def table_args(wc):
-    exp = config["experiments"][wc.experiment]
-    model = config["models"][exp["model"]]
-    args = ["--title", f"{wc.experiment}: {model_label(exp['model'])}", "--model", model_label(exp["model"]),
-            "--paper-model", model.get("paper", "none")]
-    for name, path, v in STUDY.evaluated(wc.experiment):
-        args += ["--variant", name, "--eval", path, "--paper-row", _paper_row(v)]
-        if v is not None:
-            args += ["--label", v.label, "--metrics", f"{v.run_dir}/metrics.csv",
-                     "--run-json", f"{v.run_dir}/run.json"]
-            if not v.is_baseline:
-                args += ["--conversion", f"{v.convert_dir}/conversion.json"]
-    return " ".join(shlex.quote(a) for a in args)

@@ -10,12 +10,14 @@ rule evaluation_data:
         "{MLA} prefetch --out results/evaluation-data {params.args} > {log} 2>&1"
 
 
-# Every fine-tuned checkpoint (and each original model): held-out perplexity, lm-eval accuracy,
-# KV-cache bytes, decode speed. One JSON each, also logged to the variant's MLflow run.
+# Every fine-tuned checkpoint (and each original model), in two jobs that never rerun each other
+# (mla/study/evaluation_jobs.py): quality -> eval.json (KV bytes, held-out perplexity, the local task,
+# the paper's tasks, MMLU, pass keys with the full cache) and inference -> inference.json (quantized
+# caches, pass keys with them, LongBench, decode speed). Each also logs to the variant's MLflow run.
 
 # The device is a machine choice, kept out of `params:` (the JSON records device and dtype); `gpu`
-# asks the scheduler for one GPU, `cpu` for none.
-EVALUATE_DEVICE = "cuda" if config["evaluate"]["device"] == "gpu" else "cpu"
+# asks the scheduler for one GPU, `cpu` for none. `mla evaluate` reads it from the config.
+EVALUATE_GPUS = 1 if config["evaluate"]["device"] == "gpu" else 0
 
 
 rule evaluate:
@@ -23,22 +25,22 @@ rule evaluate:
         model="results/finetune/{model}/{start}/{recipe}/final",
         run="results/finetune/{model}/{start}/{recipe}/run.json",
         data=lambda wc: data_dir(wc.model),
-        **prefetch_inputs(None),
+        **prefetch_inputs("quality"),
     output:
         "results/evaluate/{model}/{start}/{recipe}/eval.json",
     params:
-        args=evaluate_args,
+        settings=evaluation_settings("quality"),
     log:
         "logs/evaluate/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/evaluate/{model}/{start}/{recipe}.tsv"
     threads: 2
     resources:
-        gpu=1 if EVALUATE_DEVICE == "cuda" else 0,
+        gpu=EVALUATE_GPUS,
     shell:
-        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
-        " --variant {wildcards.start} {params.args} --tracking-uri {TRACKING_URI:q} --run-json {input.run}"
-        " --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"
+        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --config {CONFIG_FILE} --part quality"
+        " --model-name {wildcards.model} --model {input.model} --data {input.data} --out {output}"
+        " --variant {wildcards.start} --run-json {input.run} --threads {threads} > {log} 2>&1"
 
 
 # The original model, once per model whatever the number of experiments: its own MLflow run.
@@ -46,19 +48,64 @@ rule evaluate_original:
     input:
         model=lambda wc: model_dir(wc.model),
         data=lambda wc: data_dir(wc.model),
-        **prefetch_inputs(None),
+        **prefetch_inputs("quality"),
     output:
         "results/evaluate/{model}/original/eval.json",
     params:
-        args=evaluate_args,
+        settings=evaluation_settings("quality"),
     log:
         "logs/evaluate/{model}/original.log",
     benchmark:
         "benchmarks/evaluate/{model}/original.tsv"
     threads: 2
     resources:
-        gpu=1 if EVALUATE_DEVICE == "cuda" else 0,
+        gpu=EVALUATE_GPUS,
     shell:
-        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --model {input.model} --data {input.data} --out {output}"
-        " --variant original {params.args} --tracking-uri {TRACKING_URI:q} --experiment {MLFLOW_EXPERIMENT:q}"
-        " --run-name {wildcards.model}/original --device {EVALUATE_DEVICE} --threads {threads} > {log} 2>&1"
+        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --config {CONFIG_FILE} --part quality"
+        " --model-name {wildcards.model} --model {input.model} --data {input.data} --out {output}"
+        " --variant original --run-name {wildcards.model}/original --threads {threads} > {log} 2>&1"
+
+
+rule evaluate_inference:
+    input:
+        model="results/finetune/{model}/{start}/{recipe}/final",
+        run="results/finetune/{model}/{start}/{recipe}/run.json",
+        data=lambda wc: data_dir(wc.model),
+        **prefetch_inputs("inference"),
+    output:
+        "results/evaluate/{model}/{start}/{recipe}/inference.json",
+    params:
+        settings=evaluation_settings("inference"),
+    log:
+        "logs/evaluate_inference/{model}/{start}/{recipe}.log",
+    benchmark:
+        "benchmarks/evaluate_inference/{model}/{start}/{recipe}.tsv"
+    threads: 2
+    resources:
+        gpu=EVALUATE_GPUS,
+    shell:
+        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --config {CONFIG_FILE} --part inference"
+        " --model-name {wildcards.model} --model {input.model} --data {input.data} --out {output}"
+        " --variant {wildcards.start} --run-json {input.run} --threads {threads} > {log} 2>&1"
+
+
+rule evaluate_inference_original:
+    input:
+        model=lambda wc: model_dir(wc.model),
+        data=lambda wc: data_dir(wc.model),
+        **prefetch_inputs("inference"),
+    output:
+        "results/evaluate/{model}/original/inference.json",
+    params:
+        settings=evaluation_settings("inference"),
+    log:
+        "logs/evaluate_inference/{model}/original.log",
+    benchmark:
+        "benchmarks/evaluate_inference/{model}/original.tsv"
+    threads: 2
+    resources:
+        gpu=EVALUATE_GPUS,
+    shell:
+        "MLA_SNAKEMAKE_RULE={rule} {EVALUATE_ENV} {MLA} evaluate --config {CONFIG_FILE} --part inference"
+        " --model-name {wildcards.model} --model {input.model} --data {input.data} --out {output}"
+        " --variant original --run-name {wildcards.model}/original --threads {threads} > {log} 2>&1"
