@@ -121,6 +121,8 @@ def test_table_against_paper(experiment, tmp_path):
     assert d8["at BxT"] == "8x4096"
     base = rows[1]
     assert float(base["final train loss"]) == pytest.approx(2.0)
+    assert float(base["step-1 train loss"]) == pytest.approx(5.0)    # the first logged loss, before any update
+    assert rows[0]["step-1 train loss"] == ""                        # the original model was not trained
     assert float(base["Avg (paper)"]) == pytest.approx(44.25)
     assert base["Avg"] == "" and base["Avg_se"] == ""              # skipped offline: empty, not faked
     assert float(rows[0]["Avg (paper)"]) == pytest.approx(44.50)

@@ -7,7 +7,9 @@ An experiment is a list of variants; each variant may bring
     quantized caches, pass keys with them, LongBench), whose sections complete `eval`'s;
   - `conversion`: the conversion.json written by `mla convert` (params_before/after,
     kv_elements_per_token_before/after, kv_ratio);
-  - `metrics`: the training metrics.csv (final training loss = mean loss of the last FINAL_LOSS_STEPS steps).
+  - `metrics`: the training metrics.csv (step-1 train loss = the first logged loss, before any update: the
+    loss right after conversion (and fit) on the first batch; final training loss = mean loss of the last
+    FINAL_LOSS_STEPS steps).
 Variant names "original" and "baseline" (the unconverted model, fine-tuned) are special; any other
 variant is a converted model and needs a d_kv (given, or read from conversion.json / the eval JSON).
 
@@ -83,6 +85,13 @@ def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
     return float(losses.tail(last).mean())
 
 
+def first_loss(path: Path) -> float | None:
+    """The first finite logged training loss of a metrics.csv (step 1: computed before the first update)."""
+    metrics = pd.read_csv(path)
+    losses = metrics["loss"][np.isfinite(metrics["loss"])] if "loss" in metrics else []
+    return None if len(losses) == 0 else float(losses.iloc[0])
+
+
 def _variant_key(v: Variant) -> str | int | None:
     if v.paper_row != AUTO:
         return v.paper_row
@@ -140,6 +149,7 @@ def collect(variants: list[Variant]) -> list[dict]:
         rows.append({
             "variant": v.name, "d_kv": d_kv, "kv_ratio": kv_ratio, "kv_elements": kv_elems,
             "params": conv.get("params_after", ev.get("params")),
+            "first_loss": first_loss(v.metrics) if v.metrics else None,
             "final_loss": final_loss(v.metrics) if v.metrics else None,
             "perplexity": ppl.get("perplexity"), "perplexity_se": ppl.get("perplexity_stderr"),
             "local_acc": local.get(local_metric), "local_acc_se": local.get(f"{local_metric}_stderr"),
@@ -176,14 +186,14 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
                               f"(known: {', '.join(paper_numbers.TABLE1)})")
     tasks = [t for t in paper_numbers.TASKS if any(t in r["scores"] for r in raw)]
     have = {k: any(r[k] is not None for r in raw)
-            for k in ("params", "final_loss", "perplexity", "local_acc", "average", "mmlu_cloze",
+            for k in ("params", "first_loss", "final_loss", "perplexity", "local_acc", "average", "mmlu_cloze",
                       "decode_speedup")}
 
     labels = any(r["label"] for r in raw)
     header = ["variant", *(["label"] if labels else []), "d_kv", "KV mem. change %"]
     if paper_model:
         header += ["KV mem. change % (paper)", "Δ KV mem. change"]
-    for key, title in (("params", "params"), ("final_loss", "final train loss"),
+    for key, title in (("params", "params"), ("first_loss", "step-1 train loss"), ("final_loss", "final train loss"),
                        ("perplexity", "held-out perplexity"), ("local_acc", "local task acc_norm")):
         if have[key]:
             header.append(title)
@@ -225,7 +235,7 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             if p_kv is None and paper is not None and r["variant"] == "original":
                 p_kv = 0.0
             row += [p_kv, _diff(ours_kv, p_kv)]
-        for key in ("params", "final_loss", "perplexity", "local_acc"):
+        for key in ("params", "first_loss", "final_loss", "perplexity", "local_acc"):
             if have[key]:
                 row.append(r[key])
                 if key in ("perplexity", "local_acc"):
@@ -360,7 +370,7 @@ def _fmt(value, column: str) -> str:
         return f"{value:.2f}x"
     if column.startswith("Δ"):
         return f"{value:+.2f}"
-    if column in ("final train loss", "held-out perplexity", "local task acc_norm"):
+    if column in ("step-1 train loss", "final train loss", "held-out perplexity", "local task acc_norm"):
         return f"{value:.4f}" if column != "held-out perplexity" else f"{value:.3f}"
     return f"{value:.2f}"
 
@@ -391,7 +401,8 @@ def write_table(header, rows, out: str | Path, title: str | None = None, notes: 
 
 def table_notes(paper_model: str | None, model_name: str | None, variants: list[Variant] = (),
                 any_mmlu_cloze: bool = False, any_cache_rows: bool = False) -> list[str]:
-    notes = [f"KV mem. change: cached elements per token vs the original model. Final train loss: mean of "
+    notes = [f"KV mem. change: cached elements per token vs the original model. Step-1 train loss: the first "
+             f"batch's loss before any update (right after conversion and fit). Final train loss: mean of "
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
              f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper. "
              f"± = one standard error (perplexity: across held-out blocks, delta method; accuracies: lm-eval's "
