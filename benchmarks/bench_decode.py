@@ -1,8 +1,8 @@
 """Decode speed of MLA vs the original model at SmolLM2-135M shapes (CPU, fp32, random weights).
 
-Goal (issue 4): at batch 8, context 4096, d_kv = 8 — where cache bytes exceed weight bytes — MLA
-(absorbed decode) >= 2x the original's tokens/s and >= 0.7 of the predicted ceiling
-S(B,T) = (W + B·T·kv_orig) / (W' + B·T·kv_mla) (peers.md §3.4).
+Goal: at batch 8, context 4096, d_kv = 8 — where cache bytes exceed weight bytes — MLA
+(absorbed decode) >= 2x the original's tokens/s and >= 0.7 of the predicted memory-bound ceiling
+S(B,T) = (W + B·T·kv_orig) / (W' + B·T·kv_mla) (mla/evaluation/decode.py).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_decode.py [--grid 1x1024,8x4096] [--d-kv 8] [--steps 8]
         [--profile]     # per-op time of one decode step at the last grid point (where the time goes)

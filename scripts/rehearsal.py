@@ -8,7 +8,7 @@
      repo ids at the paper's revisions: MHA under Llama-2-7B, GQA under SmolLM-135M, saved in the dtype of
      the real repository, each with a small real tokenizer. `mla download --source hub` reads them with
      `HF_HUB_OFFLINE=1` through huggingface_hub's own cache lookup.
-   - `DIR/datasets`: the smollm mixture in its real schema (slice A's `mla.data.mirror.write_smollm_mirror`;
+   - `DIR/datasets`: the smollm mixture in its real schema (`mla.data.mirror.write_smollm_mirror`;
      `MLA_HUB_DATASETS_MIRROR`, `MLA_SWH_CONTENT_URL`).
    - `DIR/lm-eval`: a few rows of each of the paper's six lm-eval tasks and of LongBench's 16 English
      subsets in their schemas (`mla.evaluation.harness.write_local_task_data`,

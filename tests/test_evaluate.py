@@ -312,7 +312,7 @@ def test_missing_local_task_file_stops_before_loading(local_task_data, tmp_path,
 # -- decode speed --------------------------------------------------------------------------------------
 
 def test_predicted_speedup_formula():
-    # SmolLM-135M shape (peers.md §3.4): κ 384 -> 48 per layer, 30 layers, bf16: S_max = 8
+    # SmolLM-135M shape: κ 384 -> 48 per layer, 30 layers, bf16: S_max = 8
     kv_orig, kv_mla = 384 * 30 * 2, 48 * 30 * 2
     assert decode.predicted_speedup(0, 0, kv_orig, kv_mla, 1, 1) == pytest.approx(8.0)
     w = kv_orig * 12_000                                 # ~276 MB of weights

@@ -1,4 +1,4 @@
-"""2-norm calibration (paper App. A, code §2.3): per-pair importance of RoPE frequencies.
+"""2-norm calibration (paper §3.1, App. A): per-pair importance of RoPE frequencies.
 
 score[layer, kv_head, k] = Σ_{query heads h of the group} mean‖q_h^{[k]}‖ · mean‖k_g^{[k]}‖, the means
 taken over tokens and then over samples, q and k pre-RoPE (the pair norm is rotation-invariant).

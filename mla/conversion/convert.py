@@ -1,4 +1,4 @@
-"""MHA/GQA -> MLA conversion of a Llama-family model: Llama, Mistral, Qwen2 (paper §2–3, recipe §10).
+"""MHA/GQA -> MLA conversion of a Llama-family model: Llama, Mistral, Qwen2 (paper §3).
 
 Per layer: the query rows are permuted per head to [rope dims | nope dims] (the order of the key's
 dims in the converted attention, so q·k is unchanged); the kept RoPE rows of W_k become k_rope_proj;

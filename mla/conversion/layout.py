@@ -3,7 +3,7 @@ the model's shape (pure arithmetic, torch-free: the workflow's config check runs
 
 Per token and layer the converted model caches the latent c_kv (kv_lora_rank channels) and RoPE'd keys:
 
-- RoPE layout `per_head` (strategies high, low, uniform, 2-norm; paper §2): r frequency pairs per KV head,
+- RoPE layout `per_head` (strategies high, low, uniform, 2-norm; paper §3.1): r frequency pairs per KV head,
   a RoPE key of n_kv heads x 2r dims, each read by the query heads of its GQA group.
 - RoPE layout `shared` (strategy `rotated`, mla/conversion/rotation.py): m rotated components, ONE RoPE key
   of 2m dims read by every query head (DeepSeek's k_pe). `r` keeps its meaning of cached width: m = n_kv·r

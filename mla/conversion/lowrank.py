@@ -1,4 +1,4 @@
-"""Low-rank initialisation of the latent projections (paper §3, as the official code does it).
+"""Low-rank initialisation of the latent projections (paper §3.2, as the official code does it).
 
 Per layer, on weights in PyTorch (out x in) layout: M = [W_k,nope ; W_v]. The truncated SVD
 M ≈ U_ρ S_ρ V_ρᵀ gives the down-projection V_ρᵀ (orthonormal rows, no singular values) and the

@@ -1,4 +1,4 @@
-"""Partial RoPE (paper §2): which rotary frequency pairs keep their rotation.
+"""Partial RoPE (paper §3.1): which rotary frequency pairs keep their rotation.
 
 Conventions (HF Llama, "rotate_half"): a head of size d_h holds d_h/2 frequency pairs; pair k is the
 dims (k, k + d_h/2) and rotates with θ_k = base^(-2k/d_h), k = 0 the fastest. `r` is the number of

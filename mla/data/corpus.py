@@ -33,9 +33,9 @@ class Source:
         return self.options.get("split_as", self.name)
 
 
-# The paper's fine-tuning mixture (paper-spec §5.1) for SmolLM: smollm-corpus + open-web-math + stackoverflow.
-# python-edu rows carry Software Heritage blob ids, not text (paper-spec §9, issue #20); stackoverflow-clean's
-# text column is `content` (issue #5).
+# The paper's fine-tuning mixture (App. C) for SmolLM: smollm-corpus + open-web-math + stackoverflow.
+# python-edu rows carry Software Heritage blob ids, not text (fetched by mla/data/readers.py); stackoverflow-clean's
+# text column is `content`.
 SMOLLM_MIXTURE = [
     Source("fineweb-edu-dedup", 0.70, "hub",
            {"path": "HuggingFaceTB/smollm-corpus", "name": "fineweb-edu-dedup", "column": "text"}),

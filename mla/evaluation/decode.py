@@ -4,8 +4,8 @@ Each point starts from a cache already holding `context` tokens (random entries 
 the model caches: filling it by prefill would cost far more than the decode being measured), then
 times `steps` greedy single-token steps after `warmup` untimed ones. Every timed step is bracketed by
 a device synchronisation (`torch.cuda.synchronize` on GPUs; a no-op on the CPU), so a step's time ends
-when its kernels do, not when they are queued. Beside each measurement the memory-bound ceiling of
-peers.md §3.4:
+when its kernels do, not when they are queued. Beside each measurement the memory-bound ceiling: a
+decode step that is limited by memory bandwidth reads every weight and the whole cache once, so
 
     S(B,T) = (W + B·T·kv_orig) / (W' + B·T·kv_mla)
 

@@ -13,8 +13,8 @@ from mla.errors import UserError
 from mla.specfile import read_mapping
 from mla.training.schedule import check_schedule
 
-# paper-spec §5.1: AdamW(0.9, 0.95, 1e-8), peak lr 1e-4, clip 1.0, weight decay 0.01, warmup 5 %, decay 10 %
-# of the steps (135M), seed 42.
+# The paper's recipe for SmolLM-135M (App. C, Table 4): AdamW(0.9, 0.95, 1e-8), peak lr 1e-4, clip 1.0, warmup
+# 5 %, decay 10 % of the steps; weight decay 0.01 as in the authors' released training configs; seed 42.
 
 
 def option(default, help: str, **argparse_kwargs):

@@ -1,4 +1,4 @@
-"""Which parameters train: all of them (the paper, §5.1), or only the attention modules' (`--trainable attention`,
+"""Which parameters train: all of them (the paper's full-parameter fine-tuning, App. C), or only the attention modules' (`--trainable attention`,
 docs/distillation.md): every decoder layer's `self_attn.*` — for MLA q_proj, k_rope_proj, kv_down, k_up, v_up,
 o_proj (mla/modeling/modeling_mla.py), for the baseline q/k/v/o_proj. Embeddings, MLPs, norms and the output head
 are frozen: they get no gradient and no optimizer state (mla/training/optimizer.py groups only parameters that
