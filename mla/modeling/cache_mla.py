@@ -272,11 +272,19 @@ class MLAQuantizedLayer(MLALatentLayer):
         self._map_quantized(lambda t: t.to(self.device, non_blocking=True))
 
 
+def check_offloading(offloading: bool) -> None:
+    """transformers' offloading moves layers between a CUDA device and the CPU on CUDA streams."""
+    if offloading and not torch.cuda.is_available():
+        raise ValueError("an offloaded cache ('offloaded', 'offloaded_static') moves layers between a CUDA device "
+                         "and the CPU, and CUDA is not available here: use the default cache or 'static'")
+
+
 class MLACache(DynamicCache):
     """The full-precision latent cache: one `MLALatentLayer` per layer. What `generate()` builds by default;
     `offloading=True` (cache_implementation="offloaded", CUDA only) keeps the layers not in use on the CPU."""
 
     def __init__(self, config=None, offloading: bool = False, offload_only_non_sliding: bool = False, **_):
+        check_offloading(offloading)
         if config is None:   # layers added as the forward pass reaches them
             Cache.__init__(self, layer_class_to_replicate=MLALatentLayer, offloading=offloading,
                            offload_only_non_sliding=offload_only_non_sliding)
@@ -295,6 +303,7 @@ class MLAStaticCache(StaticCache):
 
     def __init__(self, config, max_cache_len: int, offloading: bool = False, offload_only_non_sliding: bool = True,
                  **_):
+        check_offloading(offloading)
         self.widths = (config.kv_lora_rank, rope_key_channels(config))
         layers = [MLAStaticLayer(max_cache_len, rope_heads(config)) for _ in range(config.num_hidden_layers)]
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
@@ -372,5 +381,5 @@ def check_cache(cache, config) -> None:
 
 
 __all__ = ["MLACache", "MLAStaticCache", "MLAQuantizedCache", "MLALatentLayer", "MLAStaticLayer", "MLAQuantizedLayer",
-           "QuantizedRows", "check_cache", "to_cache_rows", "from_cache_rows", "rope_heads", "cached_widths",
+           "QuantizedRows", "check_cache", "check_offloading", "to_cache_rows", "from_cache_rows", "rope_heads", "cached_widths",
            "rope_key_channels", "check_quantization", "quantized_bytes_per_token", "SUPPORTED_BITS", "SUPPORTED_CACHES"]

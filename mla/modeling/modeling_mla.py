@@ -56,7 +56,7 @@ from .configuration_mla import MLAConfig
 
 # Whether `torch.compile(fullgraph=True)` captures a decode step without graph breaks (shown with the
 # preallocated cache in tests/test_model_api.py)
-COMPILES_FULLGRAPH = False
+COMPILES_FULLGRAPH = True
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
