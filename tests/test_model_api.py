@@ -264,3 +264,22 @@ def test_unsupported_cache_types_fail_with_one_line_naming_them(user_results):
     if not errors["quanto"].startswith("skipped"):
         assert "QuantoQuantizedLayer layers is not supported by this MLA model" in errors["quanto"]
     print({k: v for k, v in errors.items() if k.startswith("llama_") or k == "quanto"})   # the same calls on Llama
+
+
+def test_preallocated_latent_cache_allocates_the_models_layout_ahead_of_the_first_forward():
+    """`MLAStaticCache.preallocate` (what a compiled chunked prefill needs) gives every layer its buffers
+    before any forward pass, in the layout the forward then writes in place."""
+    from mla.conversion.convert import convert_model
+    from mla.modeling import MLAStaticCache
+    from mla.tiny_models import tiny_llama
+
+    model, _ = convert_model(tiny_llama(num_kv_heads=2), d_kv=4, r=2, strategy="uniform")
+    cache = MLAStaticCache(model.config, max_cache_len=16).preallocate(2, torch.float32, torch.device("cpu"))
+    buffers = [(layer.keys, layer.values) for layer in cache.layers]
+    assert [tuple(k.shape) + tuple(v.shape) for k, v in buffers] == [(2, 1, 16, 8, 2, 1, 16, 8)] * 2
+    x = torch.randint(1, 500, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, expected = model(x, cache=cache).logits, model(x).logits
+    assert (got - expected).abs().max().item() <= TOL
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, buffers))   # in place
+    assert cache.get_seq_length() == 7 and cache.layers[0].latent.abs().sum() > 0
