@@ -84,13 +84,19 @@ def main(argv=None) -> int:
     print(f"weight bytes: original {w0 / 1e6:.1f} MB, MLA {w / 1e6:.1f} MB; cache bytes/token: original "
           f"{kv0} B, MLA {kv} B (ratio {kv0 / kv:.2f}); cache = weights at B·T = {w0 / kv0:.0f} (original)")
     head = (f"{'B':>3} {'T':>6} {'cache/W':>8} {'orig tok/s':>11} {'MLA tok/s':>10} {'MLA abs tok/s':>14} "
-            f"{'speedup':>8} {'abs speedup':>12} {'pred S(B,T)':>12} {'abs/pred':>9}")
+            f"{'speedup':>8} {'abs speedup':>12} {'pred S(B,T)':>12} {'abs/pred':>9} {'floor share orig/abs':>21}")
+    floor = res.get("floor") or {}
+    if floor:   # the batch-1 floor: a step's cost with one cached token (launches, weights)
+        print(f"batch-1 floor (1 cached token): original {floor['original_step_s'] * 1e3:.2f} ms/step, MLA absorbed "
+              f"{floor['mla_absorbed_step_s'] * 1e3:.2f} ms/step, MLA {floor['mla_step_s'] * 1e3:.2f} ms/step; "
+              f"S(1,1) = {floor['predicted_speedup']:.2f}x; cache: {res['cache']}; timing: {res['timing']}")
     print(head)
     for g in res["grid"]:
         ratio = g["batch"] * g["context"] * kv0 / w0
         print(f"{g['batch']:>3} {g['context']:>6} {ratio:>8.2f} {g['original_tps']:>11.1f} {g['mla_tps']:>10.1f} "
               f"{g['mla_absorbed_tps']:>14.1f} {g['speedup']:>7.2f}x {g['speedup_absorbed']:>11.2f}x "
-              f"{g['predicted_speedup']:>11.2f}x {g['fraction_of_predicted']:>9.2f}")
+              f"{g['predicted_speedup']:>11.2f}x {g['fraction_of_predicted']:>9.2f} "
+              f"{g['floor_share']['original_tps']:>10.2f}/{g['floor_share']['mla_absorbed_tps']:.2f}")
     goal = next((g for g in res["grid"] if (g["batch"], g["context"]) == (8, 4096)), None)
     if goal:
         print(f"goal @ B=8 T=4096 d_kv={args.d_kv}: absorbed speedup {goal['speedup_absorbed']:.2f}x (goal >= 2), "

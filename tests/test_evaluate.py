@@ -372,6 +372,77 @@ def test_decode_steps_are_timed_between_device_synchronisations(monkeypatch):
     assert calls == [torch.device("cuda:0")]
 
 
+def test_decode_steps_on_cuda_are_timed_by_events_after_one_synchronisation(monkeypatch):
+    """On a GPU a run of n steps is bracketed by two CUDA events after ONE synchronisation (not one per
+    step, which would measure launch overhead); a step's time is the run's elapsed time / n. The device,
+    events and synchronisation are stand-ins here (no GPU): what is checked is the order of the calls."""
+    from mla import devices
+
+    events = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            events.append(("record",))
+
+        def synchronize(self):
+            events.append(("end waits",))
+
+        def elapsed_time(self, end):
+            return 30.0                                           # milliseconds
+
+    monkeypatch.setattr(devices, "synchronize", lambda device: events.append(("sync", str(device))))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    model = tiny_llama()
+    stepper = decode._Stepper(model, batch=2, context=8)
+    stepper.device = torch.device("cuda")
+    model.register_forward_hook(lambda *a: events.append(("step",)))
+    stepper.run(3)
+    assert events == [("sync", "cuda"), ("record",), ("step",), ("step",), ("step",), ("record",), ("end waits",)]
+    assert stepper.step_seconds == [pytest.approx(0.030 / 3)]
+    assert stepper.tokens_per_second() == pytest.approx(2 / 0.010)
+
+
+@pytest.mark.parametrize("kind", ["original", "mla"])
+def test_preallocated_decode_cache_gives_the_growing_caches_logits(kind):
+    """The decode benchmark's preallocated caches (StaticCache, MLAStaticCache) hold the same random
+    entries as the growing ones and give the same steps."""
+    from transformers import StaticCache
+
+    from mla.modeling import MLAStaticCache
+
+    model = tiny_llama()
+    if kind == "mla":
+        model, _ = convert_model(model, d_kv=4, r=2, strategy="uniform")
+    ids = torch.tensor([[5], [7]])
+    with torch.inference_mode():                                      # as the benchmark steps run
+        grown, static = decode.filled_cache(model, 2, 9), decode.filled_cache(model, 2, 9, capacity=12)
+        assert isinstance(static, MLAStaticCache if kind == "mla" else StaticCache)
+        assert static.layers[0].keys.shape[-2] == 12 and static.get_seq_length() == 9
+        for _ in range(2):
+            a, b = (model(input_ids=ids, cache=c, use_cache=True).logits for c in (grown, static))
+            assert (a - b).abs().max().item() <= 1e-5
+            ids = a[:, -1:].argmax(-1)
+
+
+def test_decode_grid_reports_the_batch_one_floor_beside_the_prediction():
+    model, _ = convert_model(tiny_llama(), d_kv=4, r=2, strategy="uniform")
+    res = decode.decode_grid(model, [(2, 8)], steps=2, warmup=1, log=None)
+    floor, point = res["floor"], res["grid"][0]
+    assert (floor["batch"], floor["context"]) == (1, 1) and "preallocated" in res["cache"]
+    names = ("mla_tps", "mla_absorbed_tps", "original_tps")
+    assert set(point["floor_share"]) == set(names)
+    for name in names:
+        step = floor[name.replace("_tps", "_step_s")]
+        assert step > 0 and point["floor_share"][name] == pytest.approx(step * point[name] / 2)
+    assert floor["predicted_speedup"] == pytest.approx(decode.predicted_speedup(
+        res["original_weight_bytes"], res["weight_bytes"], res["original_kv_bytes_per_token"],
+        res["kv_bytes_per_token"], 1, 1))
+    print("batch-1 floor (s/step, under load):", {k: v for k, v in floor.items() if k.endswith("_step_s")})
+
+
 def test_decode_grid_skips_points_that_cannot_fit(mla_dir):
     """A point whose caches exceed the free memory is skipped before anything is allocated, with the
     numbers; the others are measured."""

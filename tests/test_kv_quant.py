@@ -145,7 +145,7 @@ def test_absorbed_decode_with_2d_and_no_mask_equals_the_non_absorbed_path():
                              (False, None), (True, None)):
             model.config.absorb_decode = absorb
             c = MLACache(config=model.config)
-            c.layers[0].update(cache.layers[0].latent.clone(), cache.layers[0].k_rope.clone())
+            c.layers[0].update(cache.layers[0].keys.clone(), cache.layers[0].values.clone())   # the stored layout
             results[absorb, None if mask is None else (mask.dim(), mask.dtype)] = \
                 attn(step[0], position_embeddings=step[1], attention_mask=mask, cache=c)[0]
     reference = results[False, (4, torch.float32)]

@@ -2,14 +2,19 @@
 
 Each point starts from a cache already holding `context` tokens (random entries of the exact shapes
 the model caches: filling it by prefill would cost far more than the decode being measured), then
-times `steps` greedy single-token steps after `warmup` untimed ones. Every timed step is bracketed by
-a device synchronisation (`torch.cuda.synchronize` on GPUs; a no-op on the CPU), so a step's time ends
-when its kernels do, not when they are queued. Beside each measurement the memory-bound ceiling: a
+times `steps` greedy single-token steps after `warmup` untimed ones. Both models get a preallocated
+cache (transformers' `StaticCache`, the latent's `MLAStaticCache`) written in place, so no step copies
+the whole cache as a growing cache's concatenation does; the quantized latent cache grows (it has no
+preallocated form). On a GPU a run of steps is timed with CUDA events after one synchronisation, so the
+clock does not stop the queue after every step (a per-step synchronisation measures launch overhead);
+on the CPU every step is timed with `perf_counter`. Beside each measurement the memory-bound ceiling: a
 decode step that is limited by memory bandwidth reads every weight and the whole cache once, so
 
     S(B,T) = (W + B·T·kv_orig) / (W' + B·T·kv_mla)
 
-with W, W' the weight bytes one step reads and kv the cache bytes per token (all layers).
+with W, W' the weight bytes one step reads and kv the cache bytes per token (all layers), and the
+batch-1 floor: every variant's step time at batch 1 with one cached token, the cost a step has whatever
+its cache (launches, weights); a point whose step times are close to the floor cannot show S(B,T).
 
 Before a point allocates anything, the memory it needs — weights of the model and of the original
 (the twin counted while it does not exist yet), the caches of every timed variant at B x (T + steps),
@@ -139,9 +144,23 @@ def point_memory(model, original, batch: int, context: int, steps: int, warmup: 
             "to_allocate_bytes": to_allocate}
 
 
-def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None):
-    """A cache for `model` (its own, or quantized per `quant`, a mla.kv.quantized.KVQuant) whose every layer holds
-    `context` random entries per sequence, generated on the model's device in its dtype."""
+def preallocated_cache(model, capacity: int):
+    """An empty cache preallocated for `capacity` tokens per sequence: the latent's `MLAStaticCache` for an
+    MLA model (taken from the model's own module, so remote-code models get theirs), else `StaticCache`."""
+    import sys
+
+    from transformers import StaticCache
+
+    own = getattr(sys.modules[type(model).__module__], "MLAStaticCache", None)
+    if getattr(model.config, "model_type", "") == "mla_llama" and own is not None:
+        return own(model.config, max_cache_len=capacity)
+    return StaticCache(config=model.config, max_cache_len=capacity)
+
+
+def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None, capacity: int | None = None):
+    """A cache for `model` (its own, or quantized per `quant`, a mla.kv.quantized.KVQuant; with `capacity`
+    and no `quant` one preallocated for that many tokens) whose every layer holds `context` random entries
+    per sequence, generated on the model's device in its dtype."""
     import torch
 
     from mla.kv.quantized import make_cache
@@ -153,7 +172,10 @@ def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None):
         own = model(input_ids=ids, use_cache=True).cache
         shapes = [(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype) for layer in own.layers]
         cache = make_cache(model, quant)
-        if cache is None:                            # the model's own cache, emptied
+        if cache is None and capacity is not None:
+            del own
+            cache = preallocated_cache(model, capacity)
+        elif cache is None:                          # the model's own cache, emptied
             cache = own
             for layer in cache.layers:
                 layer.reset()                        # free the one-token entries before the new ones exist
@@ -166,37 +188,77 @@ def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None):
 
 
 class _Stepper:
-    """One model with its own pre-filled cache; `run(n)` times n greedy single-token steps."""
+    """One model with its own pre-filled cache (preallocated for `capacity` tokens when given); `run(n)`
+    times n greedy single-token steps."""
 
-    def __init__(self, model, batch: int, context: int, absorb: bool | None = None, quant=None):
+    def __init__(self, model, batch: int, context: int, absorb: bool | None = None, quant=None,
+                 capacity: int | None = None):
         import torch
 
         self.model, self.batch, self.absorb = model, batch, absorb
         self.device = next(model.parameters()).device
-        self.cache = filled_cache(model, batch, context, quant=quant)
+        self.cache = filled_cache(model, batch, context, quant=quant, capacity=capacity)
         self.ids = torch.ones(batch, 1, dtype=torch.long, device=self.device)
+        # seconds per step: one entry per step (CPU), or the mean step of each timed run (CUDA events)
         self.step_seconds: list[float] = []
+
+    def _step(self) -> None:
+        logits = self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits
+        self.ids = logits[:, -1:].argmax(-1)         # stays on the device: no synchronisation
 
     def run(self, n: int, record: bool = True) -> None:
         import torch
 
-        from mla.devices import synchronize
+        from mla import devices
 
         if self.absorb is not None:
             self.model.config.absorb_decode = self.absorb
         with torch.inference_mode():
+            if self.device.type == "cuda":
+                devices.synchronize(self.device)     # nothing queued before the run is counted in it
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(n):
+                    self._step()
+                end.record()
+                end.synchronize()                    # the run ends when its last kernel has
+                if record and n:
+                    self.step_seconds.append(start.elapsed_time(end) / 1000 / n)
+                return
             for _ in range(n):
-                synchronize(self.device)             # nothing queued before the step is counted in it
+                devices.synchronize(self.device)     # a no-op on the CPU; kept for other devices
                 t0 = time.perf_counter()
-                logits = self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits
-                self.ids = logits[:, -1:].argmax(-1)
-                synchronize(self.device)             # the step ends when its kernels have run
+                self._step()
+                devices.synchronize(self.device)
                 if record:
                     self.step_seconds.append(time.perf_counter() - t0)
 
     def tokens_per_second(self) -> float:
         """batch / median step time (the median resists other processes' bursts on a shared machine)."""
         return self.batch / statistics.median(self.step_seconds)
+
+
+def _time_variants(names: dict, batch: int, context: int, steps: int, warmup: int, rounds: int) -> dict:
+    """Tokens/s of each variant (name -> (model, absorb, quant)) at one point: caches preallocated for
+    every step (quantized ones grow), `warmup` untimed steps, then `rounds` turns of the timed steps."""
+    import torch
+
+    capacity = context + warmup + steps + 1
+    steppers = {k: _Stepper(m, batch, context, absorb, q, capacity=None if q else capacity)
+                for k, (m, absorb, q) in names.items()}
+    for st in steppers.values():
+        st.run(warmup, record=False)
+    for r in range(rounds):
+        n = steps // rounds + (1 if r < steps % rounds else 0)
+        for st in steppers.values():
+            st.run(n)
+    result = {k: st.tokens_per_second() for k, st in steppers.items()}
+    device = next(iter(steppers.values())).device
+    del steppers
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: int = 2, rounds: int = 2,
@@ -220,8 +282,11 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
     twin_needed = is_mla and original is None
     sized_original = original_twin(model, device="meta") if twin_needed else original
     w_mla, kv_mla = weight_bytes(model), kv_bytes_per_token(model)
-    out = {"steps": steps, "warmup": warmup, "rounds": rounds, "statistic": "batch / median step time",
-           "timing": "perf_counter around each step, with device synchronisation before and after",
+    out = {"steps": steps, "warmup": warmup, "rounds": rounds,
+           "statistic": "batch / median step time" + (" (of each run's mean step)" if device.type == "cuda" else ""),
+           "timing": ("CUDA events around each run of steps, after one synchronisation" if device.type == "cuda" else
+                      "perf_counter around each step, with device synchronisation before and after"),
+           "cache": "preallocated (StaticCache, MLAStaticCache); the quantized latent cache grows",
            "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
            "threads": torch.get_num_threads(), "weight_bytes": w_mla, "kv_bytes_per_token": kv_mla, "grid": []}
     if sized_original is not None:
@@ -256,20 +321,16 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
                     names["original_tps"] = (original, None, None)
             else:
                 names = {"model_tps": (model, None, None)}
-            steppers = {k: _Stepper(m, batch, context, absorb, q) for k, (m, absorb, q) in names.items()}
-            for st in steppers.values():
-                st.run(warmup, record=False)
-            for r in range(rounds):
-                n = steps // rounds + (1 if r < steps % rounds else 0)
-                for st in steppers.values():
-                    st.run(n)
+            if "floor" not in out:     # once, before the first point: every variant at batch 1, one cached token
+                floor = _time_variants(names, 1, 1, steps, warmup, rounds)
+                out["floor"] = {"batch": 1, "context": 1, **{k.replace("_tps", "_step_s"): 1 / v for k, v in floor.items()}}
+                if is_mla and original is not None:
+                    out["floor"]["predicted_speedup"] = predicted_speedup(w_orig, w_mla, kv_orig, kv_mla, 1, 1)
             point = {"batch": batch, "context": context, "status": "ok",
-                     **{k: st.tokens_per_second() for k, st in steppers.items()},
+                     **_time_variants(names, batch, context, steps, warmup, rounds),
                      "need_bytes": mem["need_bytes"], "free_bytes": free}
-            del steppers
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            # the share of each variant's step that the batch-1 floor already takes (near 1: overhead-bound)
+            point["floor_share"] = {k: out["floor"][k.replace("_tps", "_step_s")] * point[k] / batch for k in names}
             if is_mla and original is not None:
                 point["speedup"] = point["mla_tps"] / point["original_tps"]
                 point["speedup_absorbed"] = point["mla_absorbed_tps"] / point["original_tps"]

@@ -31,6 +31,9 @@ from transformers import LlamaConfig
 @strict
 class MLAConfig(LlamaConfig):
     model_type = "mla_llama"
+    # No tensor-parallel plan: Llama's names k_proj/v_proj, which MLA replaced, and MLA's forward reshapes by
+    # the global head counts (modeling_mla.py). Llama's pipeline plan (embed_tokens, layers, norm) holds.
+    base_model_tp_plan = {}
 
     kv_lora_rank: int | None = None        # n_kv · d_kv; None -> n_kv · d_h / 2
     qk_rope_head_dim: int | None = None    # 2r; None -> from rope_pairs or d_h / 8

@@ -22,9 +22,15 @@ the source model (llama3, linear, dynamic, yarn: the rotary embedding is built f
 `rope_parameters`); the other dims get none. Where the scaling also multiplies cos/sin by an attention
 factor (yarn, longrope), the conversion folds its square into the query's no-RoPE rows, so every dim
 of q·k keeps the factor the original gave it.
-The cache holds c_kv and k_rope and nothing else (cache_mla.py, full precision or group-quantized). For single-token decode steps the absorbed path
-(paper §4.3) never expands the cache: queries move into latent space through k_up, attention runs
-over c_kv directly, and v_up is applied to the attended latent.
+The cache holds c_kv and k_rope and nothing else (cache_mla.py: growing, preallocated for `generate`'s
+static cache and compiled decoding, or group-quantized). For single-token decode steps the absorbed path
+(paper App. B) never expands the cache: queries move into latent space through k_up, attention runs
+over c_kv directly, and v_up is applied to the attended latent; with eager attention it returns the
+attention probabilities like the expanded path.
+
+Tensor parallelism: no plan (`MLAConfig.base_model_tp_plan` is empty). The attention reshapes by the
+global head counts, the absorbed path views k_up/v_up per global head, and every head reads the whole
+latent, so sharding heads across ranks would need a different forward; the pipeline plan is Llama's.
 """
 
 from __future__ import annotations
@@ -44,8 +50,13 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from .cache_mla import MLACache, MLAQuantizedCache
+from .cache_mla import MLACache, MLAQuantizedCache, MLAStaticCache, check_cache, from_cache_rows, to_cache_rows
 from .configuration_mla import MLAConfig
+
+
+# Whether `torch.compile(fullgraph=True)` captures a decode step without graph breaks (shown with the
+# preallocated cache in tests/test_model_api.py)
+COMPILES_FULLGRAPH = True
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,11 +137,14 @@ class MLAAttention(nn.Module):
             k_rope = apply_rope(k_rope, cos, sin)
             q_rope = apply_rope(q_rope, cos.repeat_interleave(groups, dim=1), sin.repeat_interleave(groups, dim=1))
 
-        if cache is not None:  # the cache stores only the latent and the RoPE'd keys (cache_mla.py)
-            c_kv, k_rope = cache.update(c_kv, k_rope, self.layer_idx)
+        if cache is not None:  # the cache stores only the latent and the RoPE'd keys, in its own layout (cache_mla.py)
+            latent_rows, rope_rows = cache.update(*to_cache_rows(c_kv, k_rope), self.layer_idx)
+            c_kv, k_rope = from_cache_rows(latent_rows, rope_rows, self.num_rope_heads)
 
         if q_len == 1 and self.config.absorb_decode:
-            return self._absorbed(q_rope, q_nope, k_rope, c_kv, attention_mask), None
+            out, probs = self._absorbed(q_rope, q_nope, k_rope, c_kv, attention_mask)
+            # what the expanded path returns: eager attention's probabilities, none from the fused kernels
+            return out, probs.unsqueeze(2) if self.config._attn_implementation == "eager" else None
 
         c_k, c_v = self._split_latent(c_kv)
         kv_len = c_kv.shape[1]
@@ -148,8 +162,9 @@ class MLAAttention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(bsz, q_len, -1).contiguous()), weights
 
-    def _absorbed(self, q_rope, q_nope, k_rope, c_kv, attention_mask) -> torch.Tensor:
-        """One decode step in latent space; the cache is never expanded to per-head keys or values."""
+    def _absorbed(self, q_rope, q_nope, k_rope, c_kv, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step in latent space; the cache is never expanded to per-head keys or values.
+        Returns the output and the attention probabilities [B, n_h, T]."""
         bsz = q_rope.shape[0]
         n_kv, groups = self.num_kv_heads, self.num_key_value_groups      # heads of k_up / v_up
         c_k, c_v = self._split_latent(c_kv)               # [B, T, latent_k], [B, T, latent_v]
@@ -170,7 +185,7 @@ class MLAAttention(nn.Module):
         out = torch.einsum("bgjr,gdr->bgjd", attended.reshape(bsz, n_kv, groups, self.v_latent), w_uv)
         if self.v_up.bias is not None:                    # probabilities sum to 1, so the bias passes through
             out = out + self.v_up.bias.view(1, n_kv, 1, self.head_dim)
-        return self.o_proj(out.reshape(bsz, 1, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(bsz, 1, self.num_heads * self.head_dim)), probs
 
 
 def _masked(scores: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -212,6 +227,8 @@ class MLAModel(LlamaModel):
     config_class = MLAConfig
     _no_split_modules = ["MLADecoderLayer"]
     _can_record_outputs = {"hidden_states": MLADecoderLayer, "attentions": MLAAttention}
+    _can_compile_fullgraph = COMPILES_FULLGRAPH
+    _tp_plan = {}
 
     def __init__(self, config: MLAConfig):
         # LlamaModel.__init__ would first build (and then waste) full Llama attention layers
@@ -227,6 +244,13 @@ class MLAModel(LlamaModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, **kwargs):
+        if "past_key_values" in kwargs:    # transformers' former name of `cache`, still accepted by Llama
+            legacy = kwargs.pop("past_key_values")
+            if legacy is not None and cache is not None:
+                raise ValueError("pass the cache once: as `cache` (or its former name `past_key_values`), not both")
+            cache = legacy if cache is None else cache
+        if not torch.compiler.is_compiling():   # a Python check of types and shapes, once per eager call
+            check_cache(cache, self.config)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = MLACache(config=self.config)
@@ -238,6 +262,8 @@ class MLAForCausalLM(LlamaForCausalLM):
     config_class = MLAConfig
     _no_split_modules = ["MLADecoderLayer"]
     _can_record_outputs = {"hidden_states": MLADecoderLayer, "attentions": MLAAttention}
+    _can_compile_fullgraph = COMPILES_FULLGRAPH
+    _tp_plan = {}     # no tensor-parallel plan (module docstring), so not even Llama's lm_head entry
 
     def __init__(self, config: MLAConfig):
         LlamaPreTrainedModel.__init__(self, config)
@@ -248,17 +274,42 @@ class MLAForCausalLM(LlamaForCausalLM):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # generate() would build a cache of per-head keys and values; give it the latent cache instead
+        kind = generation_config.cache_implementation
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            if generation_config.cache_implementation in (None, "dynamic"):
-                model_kwargs["cache"] = MLACache(config=self.config)
-                return
-            if generation_config.cache_implementation == "quantized":
-                model_kwargs["cache"] = MLAQuantizedCache.from_cache_config(self.config, generation_config.cache_config)
-                return
+            if kind in (None, "dynamic", "offloaded", "quantized"):
+                if kind == "quantized":
+                    cache = MLAQuantizedCache.from_cache_config(self.config, generation_config.cache_config)
+                else:
+                    cache = MLACache(config=self.config, offloading=kind == "offloaded")
+                if generation_config.is_assistant:    # an assistant's cache is rolled back after rejected tokens
+                    cache.activate_past_recording()
+                model_kwargs["cache"] = cache
+                return None
+            if kind not in ("static", "offloaded_static"):   # sliding/hybrid static caches, paged, ...
+                raise ValueError(f"cache_implementation={kind!r} is not supported by this MLA model: use "
+                                 "'dynamic', 'offloaded', 'static', 'offloaded_static' or 'quantized' (backend 'mla')")
+        # static kinds: transformers sizes the cache and calls `_prepare_static_cache` below
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _prepare_static_cache(self, cache_implementation: str, batch_size: int, max_cache_len: int,
+                              prefill_chunk_size, model_kwargs) -> MLAStaticCache:
+        """The preallocated latent cache for `generate(cache_implementation="static")`; like transformers'
+        static cache it keeps the longest length asked so far, so later calls reuse one compiled graph."""
+        length = max(max_cache_len, getattr(self, "_previous_max_cache_length", -1))
+        cache = MLAStaticCache(self.config, max_cache_len=length, offloading="offloaded" in cache_implementation)
+        if prefill_chunk_size is not None:     # a compiled chunked prefill needs the buffers before it runs
+            cache.preallocate(batch_size, self.dtype, self.device)
+        self._previous_max_cache_length = length
+        return cache
+
+    def save_pretrained(self, *args, **kwargs):
+        # transformers writes the saved class's own auto_map entry; the base model loads with AutoModel too
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": "modeling_mla.MLAModel"}
+        return super().save_pretrained(*args, **kwargs)
 
 
 MLAConfig.register_for_auto_class()
+MLAModel.register_for_auto_class("AutoModel")
 MLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["MLAConfig", "MLAForCausalLM", "MLAModel", "MLAAttention", "MLACache", "MLAQuantizedCache"]
+__all__ = ["MLAConfig", "MLAForCausalLM", "MLAModel", "MLAAttention", "MLACache", "MLAStaticCache", "MLAQuantizedCache"]
