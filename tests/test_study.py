@@ -247,3 +247,46 @@ def test_the_config_file_the_verbs_read_keeps_the_order_and_is_written_once(tmp_
     assert config_file.write(cfg, tmp_path) == str(path) and path.stat().st_mtime_ns == before
     changed = dict(cfg, experiments=dict(reversed(list(cfg["experiments"].items()))))
     assert config_file.write(changed, tmp_path) != str(path)          # another order is another figure
+
+
+def test_the_recovery_ablation_adds_one_method_per_variant_at_one_cache_width():
+    """configs/ablation-recovery.yaml: every converted variant caches the 72 elements per token and layer of
+    d_kv 16 + r 4 for SmolLM's 3 K/V heads, and each differs from the one before in the method it adds."""
+    from mla.conversion import layout, shapes
+
+    study = experiments.Study(config_of("configs/ablation-recovery.yaml"))
+    vs = study.experiment("ablation-recovery")
+    assert vs[-1].is_baseline
+    converted = vs[:-1]
+    shape = shapes.read_config("smollm-135m")
+    assert [layout.resolve(shape, **v.budget()).kv_width for v in converted] == [72] * 7
+    steps = [(v.whiten, v.rope_strategy, v.latent, v.kv_width, v.fit is not None, bool(v.train.get("distill")))
+             for v in converted]
+    assert steps == [(False, "2-norm", "per_head", None, False, False), (True, "2-norm", "per_head", None, False, False),
+                     (True, "rotated", "per_head", None, False, False), (True, "rotated", "shared", None, False, False),
+                     (True, "rotated", "shared", 72, False, False), (True, "rotated", "shared", 72, True, False),
+                     (True, "rotated", "shared", 72, True, True)]
+    assert converted[-1].start == converted[-2].start          # distillation: the same fitted start ...
+    assert converted[-1].run_dir != converted[-2].run_dir      # ... trained another way
+
+
+def test_paper_plus_overlays_the_papers_experiments_at_the_same_cache_widths():
+    """configs/paper-plus.yaml merged after configs/paper.yaml (Snakemake merges key by key): the paper's two
+    experiments stay as they are, and two more convert the same models at the same cached widths with rotated
+    RoPE, one latent and a layer fit."""
+    from mla.conversion import layout, shapes
+
+    paper = yaml.safe_load((ROOT / "configs/paper.yaml").read_text())
+    overlay = yaml.safe_load((ROOT / "configs/paper-plus.yaml").read_text())
+    merged = copy.deepcopy(paper)
+    merged["experiments"].update(overlay["experiments"])
+    assert set(overlay) == {"experiments"}
+    study = experiments.Study(validated(merged))
+    for name, shape in (("mha2mla", "llama-2-7b"), ("gqa2mla", "smollm-135m")):
+        base = [v for v in study.experiment(name) if not v.is_baseline]
+        plus = study.experiment(f"{name}-plus")
+        assert [v.model for v in plus] == [v.model for v in base]
+        widths = [[layout.resolve(shapes.read_config(shape), **v.budget()).kv_width for v in vs] for vs in (base, plus)]
+        assert widths[0] == widths[1]
+        assert all(v.rope_strategy == "rotated" and v.latent == "shared" and v.whiten and v.fit for v in plus)
+        assert [v.train for v in base] == [v.train for v in plus]     # the same recipe: only the conversion differs
