@@ -111,8 +111,22 @@ def test_overlay_plans_the_paper_dag_at_tiny_size(tmp_path):
     assert counts["evaluation_data"] == 1   # MMLU, the six tasks and LongBench fetched once, before the offline jobs
     assert "mla prefetch --out results/evaluation-data --mmlu --paper-tasks auto --longbench auto" in out
     evaluations = [line for line in out.splitlines() if " mla evaluate " in line]
-    assert evaluations and all("HF_HUB_OFFLINE=1" in line and "--longbench auto --longbench-limit 2" in line
-                               and "--prefetched results/evaluation-data/manifest.json" in line for line in evaluations)
+    assert evaluations and all("HF_HUB_OFFLINE=1" in line and "--config " in line for line in evaluations)
+    assert counts["evaluate_inference"] == counts["evaluate"] and counts["evaluate_inference_original"] == 2
+    # the jobs read their settings from the config: LongBench runs offline in the inference job, from what
+    # the prefetch staged (the rule's input), and the quality job reads MMLU and the six tasks from it too
+    from mla.study import evaluation_jobs
+    from mla.study.config_schema import validated
+
+    checked = validated(cfg)
+    for model in checked["models"]:
+        inference = evaluation_jobs.settings(checked, model, "inference")
+        assert (inference["longbench"], inference["longbench_limit"]) == ("auto", 2)
+        for part in ("quality", "inference"):
+            assert evaluation_jobs.settings(checked, model, part)["prefetched"] == evaluation_jobs.PREFETCH_MANIFEST
+    jobs = re.split(r"\n(?=\[.*\]\n)", out)
+    inference_jobs = [b for b in jobs if "rule evaluate_inference" in b]
+    assert inference_jobs and all("results/evaluation-data/manifest.json" in b for b in inference_jobs)
     # two config files merge (no fallback to config.yaml's models) and sizes come from the overlay
     assert "smollm2-wheel" not in out and "--repo-id meta-llama/Llama-2-7b-hf" in out
     assert "--block-length 64" in out and "--block-length 32" in out
