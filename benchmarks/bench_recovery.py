@@ -19,11 +19,13 @@ covariances. Every model is scored on the same held-out blocks (evenly spaced ov
 blocks are shared, so most of the between-block variance cancels), `original_loss_se` the SE of the
 original's own mean loss; `change_vs_previous_row` (± its paired SE) is each step of the cumulative ablation (a "beside" row's: against
 the step it stands beside),
-and every row carries its per-block losses (`block_losses`, `original_block_losses`) for other comparisons. `loss_after_fit` stays null unless a fitting function is passed to `run`
-(`fit(converted, original, train_blocks) -> fitted model`), which the layer-wise fit will provide.
+and every row carries its per-block losses (`block_losses`, `original_block_losses`) for other comparisons.
+`loss_after_fit` stays null unless `--fit-steps N` (or a fitting function passed to `run`,
+`fit(converted, original, train_blocks) -> fitted model`): then each conversion is also fitted layer by layer
+to the original's attention outputs (mla/conversion/fit.py, on a copy) and scored again on the same blocks.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_recovery.py --model ~/.cache/mla/smollm2-135m-instruct-fp32 \\
-        --data /tmp/rope/data --out recovery.json [--calibration-blocks 32] [--blocks 64]
+        --data /tmp/rope/data --out recovery.json [--calibration-blocks 32] [--blocks 64] [--fit-steps 30]
 """
 
 from __future__ import annotations
@@ -168,18 +170,42 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
 
 
 def markdown(rows: list[dict]) -> str:
+    fitted = any(r.get("loss_after_fit") is not None for r in rows)
     lines = ["| method | cached per layer (RoPE + latent) | loss after conversion | change vs original ± paired SE "
-             "| vs the step above ± paired SE |", "|---|---|---|---|---|"]
+             "| vs the step above ± paired SE |" + (" loss after fit | change vs original ± paired SE |" if fitted else ""),
+             "|---|---|---|---|---|" + ("---|---|" if fitted else "")]
     for r in rows:
         step = r.get("change_vs_previous_row")
         step = "" if step is None else f"{step:+.3f} ± {r['change_vs_previous_row_se']:.3f}"
+        after = ""
+        if fitted:
+            after = (" | |" if r.get("loss_after_fit") is None else
+                     f" {r['loss_after_fit']:.3f} | {r['loss_change_after_fit']:+.3f} ± {r['loss_se_after_fit']:.3f} |")
         lines.append(f"| {r['method']} | {r['kv_elements_per_token_layer']} ({r['rope_dims_per_layer']} + "
                      f"{r['latent_per_layer']}) | {r['loss_after_conversion']:.3f} | {r['loss_change']:+.3f} ± "
-                     f"{r['loss_se']:.3f} | {step} |")
+                     f"{r['loss_se']:.3f} | {step} |{after}")
     o = rows[0]
     lines.append(f"\noriginal: {o['original_loss']:.3f} ± {o['original_loss_se']:.3f} on {o['blocks']} held-out "
                  f"blocks ({o['tokens']} tokens); calibration on {o['calibration_blocks']} training blocks")
     return "\n".join(lines)
+
+
+def layer_fit(settings, heldout_blocks) -> Callable:
+    """The `fit` of `run`: mla fit's layer-wise fit of a copy of the converted model on the first
+    `settings.blocks` training blocks (its own report's held-out blocks: `heldout_blocks`)."""
+    import copy
+
+    import numpy as np
+
+    from mla.conversion.fit import fit_model
+
+    def fit(converted, original, train_blocks):
+        fitted = copy.deepcopy(converted)
+        train = np.asarray(train_blocks[:settings.blocks], dtype=np.int64)
+        fit_model(original, fitted, train, heldout_blocks, settings, log=lambda *a, **k: None)
+        return fitted
+
+    return fit
 
 
 def main() -> None:
@@ -200,6 +226,11 @@ def main() -> None:
     p.add_argument("--per-head-splits", type=int, nargs="*", default=[48],
                    help="splits at which the per-head 2-norm layout is measured beside the rotated one (default 48)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--fit-steps", type=int, default=0, help="layer-wise fit after each conversion: Adam steps per "
+                   "layer (0: no fit, loss_after_fit null)")
+    p.add_argument("--fit-lr", type=float, default=3e-3)
+    p.add_argument("--fit-blocks", type=int, default=32, help="training blocks the fit reads (the first)")
+    p.add_argument("--fit-batch", type=int, default=4)
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -207,8 +238,19 @@ def main() -> None:
     model = checkpoint.load_model(args.model)
     n_kv = model.config.num_key_value_heads
     methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits))
+    fit = None
+    if args.fit_steps:
+        import numpy as np
+
+        from mla.conversion.fit import FitSettings
+        from mla.evaluation.perplexity import evenly_spaced
+
+        settings = FitSettings(steps=args.fit_steps, lr=args.fit_lr, blocks=args.fit_blocks, batch=args.fit_batch,
+                               heldout=8)
+        valid = open_blocks(args.data, "validation")
+        fit = layer_fit(settings, np.asarray(valid[evenly_spaced(len(valid), 8)], dtype=np.int64))
     rows = run(model, open_blocks(args.data, "train"), open_blocks(args.data, "validation"), methods,
-               calibration_blocks=args.calibration_blocks, blocks=args.blocks, batch_size=args.batch_size)
+               calibration_blocks=args.calibration_blocks, blocks=args.blocks, batch_size=args.batch_size, fit=fit)
     for row in rows:
         row["model"] = str(args.model)
     with atomic.staged(args.out) as tmp:

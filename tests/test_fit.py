@@ -209,3 +209,25 @@ def test_bad_fit_inputs_stop_with_a_message_naming_the_cause(pair, data_dir, tmp
     convert_checkpoint(other, other_mla, d_kv=4, r=1, strategy="high")
     assert "was not converted from --source: num_hidden_layers 2 vs 3" in error_of(model=other_mla)
     assert not out.exists()
+
+
+def test_bench_recovery_scores_each_method_after_a_layer_fit_too():
+    """benchmarks/bench_recovery.py with a fit: every row gets `loss_after_fit` on the same held-out blocks, each
+    fitted model is a copy (the unfitted conversion keeps the losses reported for it), and the fit brings each
+    conversion's loss closer to the original's (a random model's conversion may even lower it: the distance)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_recovery
+
+    torch.manual_seed(0)
+    source = tiny_llama(num_kv_heads=2, num_hidden_layers=2)
+    methods = [bench_recovery.Method("paper", {"strategy": "2-norm", "d_kv": 4, "r": 1, "svd": "joint"}),
+               bench_recovery.Method("+ rotated", {"strategy": "rotated", "d_kv": 4, "r": 1, "svd": "joint"})]
+    fit_ = bench_recovery.layer_fit(fit.FitSettings(steps=40, lr=3e-3, blocks=48, batch=8, heldout=4), _blocks(3, 4))
+    rows = bench_recovery.run(source, _blocks(1, 48), _blocks(2, 16), methods, calibration_blocks=16, blocks=16,
+                              batch_size=8, fit=fit_, log=lambda *a: None)
+    again = bench_recovery.run(source, _blocks(1, 48), _blocks(2, 16), methods, calibration_blocks=16, blocks=16,
+                               batch_size=8, log=lambda *a: None)
+    for row, plain in zip(rows, again):
+        assert row["loss_after_conversion"] == pytest.approx(plain["loss_after_conversion"], abs=1e-6)
+        assert plain["loss_after_fit"] is None and row["loss_after_fit"] is not None
+        assert abs(row["loss_change_after_fit"]) < abs(row["loss_change"]), row["method"]
