@@ -32,10 +32,11 @@ def test_short_form_names_labels_and_paths():
     assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
     assert [v.label for v in variants] == ["GQA2MLA d_kv = 8", "GQA2MLA d_kv = 16", "GQA2MLA d_kv = 32", "GQA"]
     v8 = variants[0]
-    assert v8.whiten       # the default's activation-aware SVD
-    assert v8.conversion == "2-norm-r4-joint-white-dkv8"
-    assert v8.convert_dir == "results/convert/smollm2-135m/2-norm-r4-joint-white-dkv8"
-    assert v8.run_dir == f"results/finetune/smollm2-135m/2-norm-r4-joint-white-dkv8/{v8.recipe}"
+    assert v8.whiten       # the default's activation-aware SVD, rotated RoPE, one latent and a layer fit
+    assert v8.conversion == "rotated-r4-joint-white-dkv8-shared-latent"
+    assert v8.convert_dir == "results/convert/smollm2-135m/rotated-r4-joint-white-dkv8-shared-latent"
+    assert v8.fit_dir == f"results/fit/smollm2-135m/rotated-r4-joint-white-dkv8-shared-latent/{v8.fit_key}"
+    assert v8.run_dir == f"results/finetune/smollm2-135m/{v8.conversion}-{v8.fit_key}/{v8.recipe}"
     assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
     assert variants[-1].is_baseline and variants[-1].conversion is None
 
@@ -53,9 +54,9 @@ def test_named_variants_with_their_own_settings_and_overrides():
     assert (hs.d_kv, hs.rope_strategy, hs.svd, hs.train["lr"], hs.label) == (8, "high", "split", 3e-4,
                                                                               "S_high + SVD_split")
     assert hs.recipe != by_name["dkv8"].recipe            # another learning rate: another training run
-    assert by_name["dkv16"].conversion == "2-norm-r4-joint-dkv16"
+    assert by_name["dkv16"].conversion == "rotated-r4-joint-dkv16-shared-latent"
     ro = by_name["rope-only"]
-    assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none", "S_uniform")
+    assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none-shared-latent", "S_uniform")
     assert experiments.variant_errors(cfg) == []
 
 
@@ -181,6 +182,8 @@ def test_convert_cli_svd_none_refuses_a_d_kv_and_whitening(tmp_path):
 # ---------------------------------------------------------------- fit: layer-wise fitting after conversion
 def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
     cfg = default_config()
+    for exp in cfg["experiments"].values():
+        exp.pop("fit")                                # from a default without fits
     before = {v.name: v for v in experiments.experiment_variants(cfg, "gqa2mla")}
     exp = cfg["experiments"]["gqa2mla"]
     exp["fit"] = {"steps": 10}                        # the experiment's default for its MLA variants ...
@@ -200,14 +203,18 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
     assert s.start_dir("smollm2-135m", "baseline") == "results/models/smollm2-135m"
     # the same settings, spelled out differently: one fit, one run
     assert by_name["same-fit"].start == v16.start and by_name["same-fit"].run_dir == v16.run_dir
-    assert s.jobs()["fits"] == 2 and s.jobs()["conversions"] == experiments.Study(default_config()).jobs()["conversions"]
+    assert s.jobs()["fits"] == 2 and s.jobs()["conversions"] == experiments.Study(cfg).jobs()["conversions"]
     # another setting is another fit
     other = copy.deepcopy(cfg)
     other["experiments"]["gqa2mla"]["fit"] = {"steps": 20}
     v16_other = next(v for v in experiments.experiment_variants(validated(other), "gqa2mla") if v.name == "dkv16")
     assert v16_other.fit_key != v16.fit_key and v16_other.conversion == v16.conversion
-    # the fit reads its 64 training blocks from the model's data, which must hold them
-    assert budgets.train_tokens(s.config, "smollm2-135m") == 64 * 128
+    # the fit reads its 64 training blocks from the model's data, which must hold them (and the runs' tokens)
+    t = s.config["train"]
+    assert budgets.train_tokens(s.config, "smollm2-135m") == max(64 * 128, t["steps"] * t["batch_size"] * 128)
+    small = copy.deepcopy(cfg)
+    small["experiments"]["gqa2mla"]["fit"] = {"blocks": 200}
+    assert budgets.train_tokens(validated(small), "smollm2-135m") == 200 * 128
 
 
 @pytest.mark.parametrize("change, key, message", [
