@@ -231,3 +231,21 @@ def test_bench_recovery_scores_each_method_after_a_layer_fit_too():
         assert row["loss_after_conversion"] == pytest.approx(plain["loss_after_conversion"], abs=1e-6)
         assert plain["loss_after_fit"] is None and row["loss_after_fit"] is not None
         assert abs(row["loss_change_after_fit"]) < abs(row["loss_change"]), row["method"]
+
+
+def test_a_layer_the_fit_makes_worse_keeps_its_converted_weights():
+    """Full rank with every RoPE pair kept, the conversion is exact: any fit (here a learning rate far too high)
+    can only make a layer err more, so every layer keeps its converted weights and the model stays exact."""
+    source = tiny_llama(num_kv_heads=2, num_hidden_layers=2)
+    d_h = source.config.hidden_size // source.config.num_attention_heads
+    converted, _ = convert_model(source, None, r=d_h // 2, strategy="high", svd="none")
+    ids = torch.as_tensor(_blocks(4, 2))
+    with torch.no_grad():
+        reference = source(input_ids=ids).logits
+    report = fit.fit_model(source, converted, _blocks(1, 16), _blocks(2, 8),
+                           fit.FitSettings(steps=5, lr=1.0, batch=8), log=lambda *a: None)
+    for entry in report["layers"]:
+        assert entry["kept"] == "conversion" and entry["error_fitted"] > entry["error_before"]
+        assert entry["error_after"] == entry["error_before"] < 1e-8
+    with torch.no_grad():
+        assert torch.allclose(converted(input_ids=ids).logits, reference, atol=1e-4)
