@@ -172,7 +172,7 @@ def copy_workflow(workdir: Path) -> None:
 
 # One core per job (tiny models gain nothing from two threads), so two jobs overlap on a 2-core machine;
 # training keeps its `threads: 2`, one per process. Later --set-threads arguments override these.
-ONE_THREAD = ("download", "data", "calibrate", "convert", "evaluate", "evaluate_inference")
+ONE_THREAD = ("download", "data", "calibrate", "convert", "fit", "evaluate", "evaluate_inference")
 
 
 def run_workflow(workdir: Path, env: dict[str, str], extra: list[str], *, log=print) -> int:
@@ -239,6 +239,7 @@ def _longbench_problems(path: str, ev: dict, cfg: dict) -> list[str]:
 def check_outputs(workdir: Path) -> list[str]:
     """Everything the rehearsal must have produced, as a list of problems (empty = passed)."""
     from mla.study import budgets, experiments, paper_numbers
+    from mla.study.tables import merged_evaluation
 
     cfg = load_config(workdir / PAPER, workdir / OVERLAY)
     res = workdir / "results"
@@ -321,7 +322,9 @@ def check_outputs(workdir: Path) -> list[str]:
             if paper.get("status") != "ok" or bad:
                 problems.append(f"{path}: paper tasks {paper.get('status')}"
                                 f" ({paper.get('reason') or 'no score for ' + ', '.join(bad)})")
-            problems += _longbench_problems(path, ev, cfg)
+            inference_path = str(path).replace("eval.json", "inference.json")   # LongBench: the inference job's
+            inference = load_json(workdir / inference_path) or {}
+            problems += _longbench_problems(inference_path, merged_evaluation(ev, inference), cfg)
         table = res / "tables" / f"{ename}.csv"
         if not table.is_file() or not (res / "tables" / f"{ename}.md").is_file():
             problems.append(f"results/tables/{ename}.csv/.md: missing")

@@ -211,7 +211,8 @@ def scontrol_job(job_id: str, env) -> dict:
 
 
 def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster, profile, smoke_copy, tmp_path):
-    """train.nodes: 2 (x nproc 1, micro batch 1: the smoke run's global batch 2) re-runs one finetune job."""
+    """train.nodes: 2 (x nproc 1, micro batch 1: the smoke run's global batch 2), the finetune job forced (launch
+    settings alone replan nothing: tests/test_workflow.py), runs as one SLURM job on two nodes."""
     state, env = cluster
     work = smoke_copy
     v8 = smoke_variant("gqa2mla", "dkv8")
@@ -224,7 +225,7 @@ def test_two_node_finetune_is_one_slurm_job_with_the_losses_of_one_node(cluster,
     configfile = tmp_path / "two-nodes.yaml"
     configfile.write_text(yaml.safe_dump(config))
     before = set(squeue_jobs(env))
-    r = run_workflow(env, work, profile, configfile, f"{target}/run.json")
+    r = run_workflow(env, work, profile, configfile, f"{target}/run.json", "--forcerun", f"{target}/run.json")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:] + log_path.read_text()[-3000:]
 
