@@ -69,8 +69,8 @@ def _read_json(path: Path) -> dict:
         raise TableInputError(f"{path}: not valid JSON ({exc})") from None
 
 
-def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
-    """Mean training loss over the last `last` logged steps of a metrics.csv."""
+def finite_losses(path: Path) -> pd.Series:
+    """The finite logged training losses of a metrics.csv, in step order."""
     if not path.is_file():
         raise TableInputError(f"metrics file not found: {path}")
     try:
@@ -82,14 +82,12 @@ def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
     losses = metrics["loss"][np.isfinite(metrics["loss"])]
     if losses.empty:
         raise TableInputError(f"{path}: no finite loss values")
-    return float(losses.tail(last).mean())
+    return losses
 
 
-def first_loss(path: Path) -> float | None:
-    """The first finite logged training loss of a metrics.csv (step 1: computed before the first update)."""
-    metrics = pd.read_csv(path)
-    losses = metrics["loss"][np.isfinite(metrics["loss"])] if "loss" in metrics else []
-    return None if len(losses) == 0 else float(losses.iloc[0])
+def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
+    """Mean training loss over the last `last` logged steps of a metrics.csv."""
+    return float(finite_losses(path).tail(last).mean())
 
 
 def _variant_key(v: Variant) -> str | int | None:
@@ -145,12 +143,14 @@ def collect(variants: list[Variant]) -> list[dict]:
         local = ((ev.get("benchmarks") or {}).get("local") or {})
         mmlu = ((ev.get("benchmarks") or {}).get("mmlu") or {})
         speed, pred, at = _decode_summary(ev.get("decode"))
+        losses = finite_losses(v.metrics) if v.metrics else None
         local_metric = "acc_norm" if local.get("acc_norm") is not None else "acc"
         rows.append({
             "variant": v.name, "d_kv": d_kv, "kv_ratio": kv_ratio, "kv_elements": kv_elems,
             "params": conv.get("params_after", ev.get("params")),
-            "first_loss": first_loss(v.metrics) if v.metrics else None,
-            "final_loss": final_loss(v.metrics) if v.metrics else None,
+            # step 1's loss is computed before the first update: the loss right after conversion (and fit)
+            "first_loss": float(losses.iloc[0]) if losses is not None else None,
+            "final_loss": float(losses.tail(FINAL_LOSS_STEPS).mean()) if losses is not None else None,
             "perplexity": ppl.get("perplexity"), "perplexity_se": ppl.get("perplexity_stderr"),
             "local_acc": local.get(local_metric), "local_acc_se": local.get(f"{local_metric}_stderr"),
             "scores": bench.get("scores") or {}, "scores_se": bench.get("scores_stderr") or {},
