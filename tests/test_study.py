@@ -32,10 +32,10 @@ def test_short_form_names_labels_and_paths():
     assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
     assert [v.label for v in variants] == ["GQA2MLA d_kv = 8", "GQA2MLA d_kv = 16", "GQA2MLA d_kv = 32", "GQA"]
     v8 = variants[0]
-    assert v8.whiten       # the default's activation-aware SVD, rotated RoPE, one latent and a layer fit
-    assert v8.conversion == "rotated-r4-joint-white-dkv8-shared-latent"
-    assert v8.convert_dir == "results/convert/smollm2-135m/rotated-r4-joint-white-dkv8-shared-latent"
-    assert v8.fit_dir == f"results/fit/smollm2-135m/rotated-r4-joint-white-dkv8-shared-latent/{v8.fit_key}"
+    assert v8.whiten and v8.latent == "per_head"   # activation-aware SVD, rotated RoPE, a layer fit
+    assert v8.conversion == "rotated-r4-joint-white-dkv8"
+    assert v8.convert_dir == "results/convert/smollm2-135m/rotated-r4-joint-white-dkv8"
+    assert v8.fit_dir == f"results/fit/smollm2-135m/rotated-r4-joint-white-dkv8/{v8.fit_key}"
     assert v8.run_dir == f"results/finetune/smollm2-135m/{v8.conversion}-{v8.fit_key}/{v8.recipe}"
     assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
     assert variants[-1].is_baseline and variants[-1].conversion is None
@@ -54,9 +54,9 @@ def test_named_variants_with_their_own_settings_and_overrides():
     assert (hs.d_kv, hs.rope_strategy, hs.svd, hs.train["lr"], hs.label) == (8, "high", "split", 3e-4,
                                                                               "S_high + SVD_split")
     assert hs.recipe != by_name["dkv8"].recipe            # another learning rate: another training run
-    assert by_name["dkv16"].conversion == "rotated-r4-joint-dkv16-shared-latent"
+    assert by_name["dkv16"].conversion == "rotated-r4-joint-dkv16"
     ro = by_name["rope-only"]
-    assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none-shared-latent", "S_uniform")
+    assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none", "S_uniform")
     assert experiments.variant_errors(cfg) == []
 
 
@@ -266,21 +266,23 @@ def test_the_recovery_ablation_adds_one_method_per_variant_at_one_cache_width():
     assert vs[-1].is_baseline
     converted = vs[:-1]
     shape = shapes.read_config("smollm-135m")
-    assert [layout.resolve(shape, **v.budget()).kv_width for v in converted] == [72] * 7
+    assert [layout.resolve(shape, **v.budget()).kv_width for v in converted] == [72] * 8
     steps = [(v.whiten, v.rope_strategy, v.latent, v.kv_width, v.fit is not None, bool(v.train.get("distill")))
              for v in converted]
     assert steps == [(False, "2-norm", "per_head", None, False, False), (True, "2-norm", "per_head", None, False, False),
                      (True, "rotated", "per_head", None, False, False), (True, "rotated", "shared", None, False, False),
                      (True, "rotated", "shared", 72, False, False), (True, "rotated", "shared", 72, True, False),
-                     (True, "rotated", "shared", 72, True, True)]
-    assert converted[-1].start == converted[-2].start          # distillation: the same fitted start ...
-    assert converted[-1].run_dir != converted[-2].run_dir      # ... trained another way
+                     (True, "rotated", "shared", 72, True, True), (True, "rotated", "per_head", 72, True, False)]
+    fit, distill, per_head = converted[-3:]
+    assert distill.start == fit.start                    # distillation: the same fitted start ...
+    assert distill.run_dir != fit.run_dir                # ... trained another way
+    assert per_head.fit == fit.fit and per_head.start != fit.start   # the same fit of another layout
 
 
 def test_paper_plus_overlays_the_papers_experiments_at_the_same_cache_widths():
     """configs/paper-plus.yaml merged after configs/paper.yaml (Snakemake merges key by key): the paper's two
     experiments stay as they are, and two more convert the same models at the same cached widths with rotated
-    RoPE, one latent and a layer fit."""
+    RoPE, activation-aware SVD and a layer fit."""
     from mla.conversion import layout, shapes
 
     paper = yaml.safe_load((ROOT / "configs/paper.yaml").read_text())
@@ -295,5 +297,5 @@ def test_paper_plus_overlays_the_papers_experiments_at_the_same_cache_widths():
         assert [v.model for v in plus] == [v.model for v in base]
         widths = [[layout.resolve(shapes.read_config(shape), **v.budget()).kv_width for v in vs] for vs in (base, plus)]
         assert widths[0] == widths[1]
-        assert all(v.rope_strategy == "rotated" and v.latent == "shared" and v.whiten and v.fit for v in plus)
+        assert all(v.rope_strategy == "rotated" and v.latent == "per_head" and v.whiten and v.fit for v in plus)
         assert [v.train for v in base] == [v.train for v in plus]     # the same recipe: only the conversion differs
