@@ -3,18 +3,14 @@ MLflow web UI, loaded by headless Chromium from a real `mlflow server` on 127.0.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from mlflow_server import mlflow_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -23,12 +19,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1400,900"]
 RUNS = {"gqa2mla-dkv8-smoke": 8, "gqa2mla-baseline-smoke": None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,35 +46,8 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(store):
     folder, uri, _, _ = store
-    port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log = open(folder / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-                             "--default-artifact-root", str(folder / "artifacts"), "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
-            assert time.time() < deadline, "mlflow server not healthy after 120 s"
-            time.sleep(0.5)
+    with mlflow_server(uri, folder, "--default-artifact-root", str(folder / "artifacts"), start_timeout=120) as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)  # stops uvicorn and its workers
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def chromium(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -86,42 +85,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` with its own backend store (sqlite on its local disk) and artifact root, as
-    docs/cluster.md starts it; stopped by its process group at the end."""
-    import signal
-    import socket
-    import urllib.request
+    docs/cluster.md starts it."""
+    from mlflow_server import mlflow_server as running
 
     root = tmp_path_factory.mktemp("mlflow-server")
     (root / "store").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/store/mlflow.db",
-           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if urllib.request.urlopen(f"{uri}/health", timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, (root / "server.log").read_text()[-3000:]
-            time.sleep(1)
+    with running(f"sqlite:///{root}/store/mlflow.db", root, "--artifacts-destination", str(root / "artifacts")) as uri:
         yield uri, root
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)   # the server's own group: uvicorn and its workers
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 @pytest.mark.slow

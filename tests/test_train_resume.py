@@ -4,6 +4,7 @@ not, stale folders listed and kept, and which saved layouts resume how."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -108,22 +109,23 @@ def test_resume_plan(saved, now, plan):
     assert resume_plan(saved, *now) == plan
 
 
+def deepspeed_shards(ckpt: Path, step: int, ranks: int, kind: str, prefix: str = "") -> Path:
+    """Empty files named as DeepSpeed names a checkpoint's per-rank shards (`kind`: optim or model)."""
+    tag = ckpt / f"global_step{step}"
+    tag.mkdir(parents=True, exist_ok=True)
+    (ckpt / "latest").write_text(tag.name)
+    for r in range(ranks):
+        (tag / f"{prefix}zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt").write_bytes(b"")
+    return ckpt
+
+
 def test_layout_is_inferred_from_deepspeed_files_without_the_record(tmp_path):
-    ckpt = tmp_path / "checkpoint-5"
-    (ckpt / "global_step5").mkdir(parents=True)
-    (ckpt / "latest").write_text("global_step5")
-    for r in range(4):
-        (ckpt / "global_step5" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    ckpt = deepspeed_shards(tmp_path / "checkpoint-5", 5, 4, "optim")
     assert saved_layout(ckpt) == {"world_size": 4, "zero_stage": None}
-    for r in range(4):
-        (ckpt / "global_step5" / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt").write_bytes(b"")
+    deepspeed_shards(ckpt, 5, 4, "model")
     assert saved_layout(ckpt) == {"world_size": 4, "zero_stage": 3}
     # a bf16 run's optimizer shards carry DeepSpeed's bf16_ prefix
-    bf16 = tmp_path / "checkpoint-7"
-    (bf16 / "global_step7").mkdir(parents=True)
-    (bf16 / "latest").write_text("global_step7")
-    for r in range(2):
-        (bf16 / "global_step7" / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    bf16 = deepspeed_shards(tmp_path / "checkpoint-7", 7, 2, "optim", prefix="bf16_")
     assert saved_layout(bf16) == {"world_size": 2, "zero_stage": None}
 
 
