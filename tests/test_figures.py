@@ -157,6 +157,18 @@ def test_panel_object_api(runs):
     fig = loss_figure([Panel("SmolLM-135M", "GQA", [Run(gqa["baseline"], baseline=True), Run(gqa[32], d_kv=32)])])
     labels = [l.get_label() for l in legend_lines(fig.axes[0])]
     assert labels == ["GQA2MLA d_kv = 32", "GQA"]
+    assert fig.axes[0].get_title() == "SmolLM-135M"
+
+
+def test_a_long_panel_title_is_wrapped_to_the_axes(runs):
+    gqa, _ = runs
+    title = "From the paper's conversion to one that keeps the model, SmolLM2-135M-Instruct, 72 cached elements"
+    fig = loss_figure([Panel(title, "GQA", [Run(gqa["baseline"], baseline=True), Run(gqa[32], d_kv=32)])])
+    lines = fig.axes[0].get_title().split("\n")
+    assert len(lines) == 2 and " ".join(lines) == title
+    fig.canvas.draw()
+    box = fig.axes[0].title.get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.x1          # the title stays inside the figure
 
 
 def test_figure_logged_to_mlflow_summary_run(runs, tmp_path):

@@ -3,6 +3,7 @@ MLflow web UI, loaded by headless Chromium from a real `mlflow server` on 127.0.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # light -> dark as the compression eases; the paper's figure uses these three hues
 MLA_COLOURS = ["#f7a1c4", "#a05cc4", "#4b1166"]
 BASELINE_COLOUR = "#000000"
+TITLE_CHARS = 70          # a panel title's line: about the width of the axes at 12 pt
 RAW_ALPHA = 0.25
 KINDS = ("MHA", "GQA")
 
@@ -169,7 +171,7 @@ def draw_panel(ax, panel: Panel, smoothing: float = 0.9) -> None:
         ax.plot(steps, losses, color=colour, alpha=RAW_ALPHA, linewidth=0.8, zorder=1,
                 label=f"_raw {label}")
         ax.plot(steps, smooth(losses, smoothing), color=colour, linewidth=1.6, zorder=2, label=label)
-    ax.set_title(panel.title)
+    ax.set_title("\n".join(textwrap.wrap(panel.title, TITLE_CHARS)))   # a long title would run off the figure
     ax.set_xlabel("#Step")
     ax.set_ylabel("Loss")
     ax.grid(True, alpha=0.3)
