@@ -312,6 +312,7 @@ def check_outputs(workdir: Path) -> list[str]:
                                 f"{conv.get('rope_strategy')}, {conv.get('svd')}; configured {v.d_kv}, "
                                 f"{v.rope_strategy}, {v.svd}")
         evaluated = the_study.evaluated(ename)
+        inference_paths = dict(the_study.inference_measured(ename))   # LongBench: the inference job's JSON
         for name, path, _ in evaluated:
             ev = load_json(workdir / path)
             if not ev:
@@ -322,7 +323,7 @@ def check_outputs(workdir: Path) -> list[str]:
             if paper.get("status") != "ok" or bad:
                 problems.append(f"{path}: paper tasks {paper.get('status')}"
                                 f" ({paper.get('reason') or 'no score for ' + ', '.join(bad)})")
-            inference_path = str(path).replace("eval.json", "inference.json")   # LongBench: the inference job's
+            inference_path = inference_paths[name]
             inference = load_json(workdir / inference_path) or {}
             problems += _longbench_problems(inference_path, merged_evaluation(ev, inference), cfg)
         table = res / "tables" / f"{ename}.csv"

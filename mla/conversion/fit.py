@@ -22,7 +22,7 @@ written from them) and cast back to the job's dtype once.
 Memory: both models, plus three arrays of blocks × T × d in the job's dtype for the training blocks and
 three for the held-out blocks (the source residual stream, the current layer's attention input and its
 target), plus one layer's activations and gradients for `batch` blocks: 3 × (blocks + heldout) × T × d ×
-bytes per element. SmolLM2-135M, 64 + 64 blocks of 128, fp32: 3 × 128 × 128 × 576 × 4 B = 113 MB.
+bytes per element. (The converted layer's weights, kept in case the fit makes it worse, wait in CPU memory.) SmolLM2-135M, 64 + 64 blocks of 128, fp32: 3 × 128 × 128 × 576 × 4 B = 113 MB.
 Llama-2-7B, 64 + 64 blocks of 2048, bf16: 3 × 128 × 2048 × 4096 × 2 B = 6.4 GB (one stream of 64
 blocks in fp32 would be 2.1 GB).
 
@@ -329,7 +329,7 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
         x_held, y_held = teacher_pass(src_layer, src_kwargs[i], streams["heldout"], batch)
         attn.float()
         error_before = relative_error(attn, conv_kwargs[i], x_held, y_held, batch)
-        converted_state = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+        converted_state = {k: v.detach().to("cpu", copy=True) for k, v in attn.state_dict().items()}   # off the GPU
         losses = fit_layer(attn, conv_kwargs[i], x_train, y_train, settings, i)
         error_fitted = relative_error(attn, conv_kwargs[i], x_held, y_held, batch)
         # A layer the conversion already got nearly right can come out worse from a constant-lr fit (measured:

@@ -85,9 +85,14 @@ def finite_losses(path: Path) -> pd.Series:
     return losses
 
 
+def mean_of_last(losses: pd.Series, last: int = FINAL_LOSS_STEPS) -> float:
+    """The tables' final loss: the mean of the last `last` logged losses."""
+    return float(losses.tail(last).mean())
+
+
 def final_loss(path: Path, last: int = FINAL_LOSS_STEPS) -> float:
     """Mean training loss over the last `last` logged steps of a metrics.csv."""
-    return float(finite_losses(path).tail(last).mean())
+    return mean_of_last(finite_losses(path), last)
 
 
 def _variant_key(v: Variant) -> str | int | None:
@@ -150,7 +155,7 @@ def collect(variants: list[Variant]) -> list[dict]:
             "params": conv.get("params_after", ev.get("params")),
             # step 1's loss is computed before the first update: the loss right after conversion (and fit)
             "first_loss": float(losses.iloc[0]) if losses is not None else None,
-            "final_loss": float(losses.tail(FINAL_LOSS_STEPS).mean()) if losses is not None else None,
+            "final_loss": mean_of_last(losses) if losses is not None else None,
             "perplexity": ppl.get("perplexity"), "perplexity_se": ppl.get("perplexity_stderr"),
             "local_acc": local.get(local_metric), "local_acc_se": local.get(f"{local_metric}_stderr"),
             "scores": bench.get("scores") or {}, "scores_se": bench.get("scores_stderr") or {},
