@@ -8,7 +8,9 @@ weights) and the target y = the source layer's attention output (after o_proj); 
 converted layer's `self_attn` is trained with Adam on ‖ŷ − y‖² / ‖y‖² for `steps` steps of `batch`
 blocks; then the residual stream advances through the *source* layer i, so every layer is fitted to the
 original hidden states and the layers' fits are independent of one another. A layer whose fitted weights
-err more on the held-out blocks than its converted ones keeps the converted ones (`kept` in fit.json).
+err more on the held-out blocks than its converted ones keeps the converted ones (`kept` in fit.json). The
+kept layer's latent factors are then balanced per channel (mla/conversion/lowrank.py; `factor_imbalance` in
+fit.json is the ratio they had).
 
 The converted attention module is a black box: it is called with exactly the keyword arguments its own
 model passes it (position embeddings from the converted model's rotary module, the causal mask, ...),
@@ -43,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mla.conversion import lowrank
 from mla.study.options import FIT_DEFAULTS
 
 ERROR_DEFINITION = ("relative output error of a layer's attention = Σ‖ŷ − y‖² / Σ‖y‖² over the held-out blocks' "
@@ -339,13 +342,15 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
             attn.load_state_dict(converted_state)
         error_after = min(error_fitted, error_before)
         del converted_state
+        # Adam's steps scale the latent's down and up factors unevenly; fine-tuning starts from balanced ones
+        imbalance = lowrank.balance_attention(attn)
         state = {k: v.detach().to("cpu", copy=True) for k, v in attn.state_dict().items()}
         attn.to(dtype)                        # back to the job's dtype, once
         del x_train, y_train, x_held, y_held
         devices.synchronize(device)
         last = losses[-min(10, len(losses)):]
         entry = {"layer": i, "error_before": error_before, "error_after": error_after, "error_fitted": error_fitted,
-                 "kept": kept, "train_loss_first": losses[0], "train_loss_last10": sum(last) / len(last),
+                 "kept": kept, "factor_imbalance": imbalance, "train_loss_first": losses[0], "train_loss_last10": sum(last) / len(last),
                  "seconds": time.perf_counter() - t0}
         progress.save(i, state, entry)
         entries.append({**entry, "resumed": False})

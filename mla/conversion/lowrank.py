@@ -1,8 +1,15 @@
 """Low-rank initialisation of the latent projections (paper §3.2, as the official code does it).
 
 Per layer, on weights in PyTorch (out x in) layout: M = [W_k,nope ; W_v]. The truncated SVD
-M ≈ U_ρ S_ρ V_ρᵀ gives the down-projection V_ρᵀ (orthonormal rows, no singular values) and the
-up-projection U_ρ S_ρ (Σ entirely in W_up; the paper writes Σ^½ on each side, same product).
+M ≈ U_ρ S_ρ V_ρᵀ gives the up-projection U_ρ S_ρ^½ and the down-projection S_ρ^½ V_ρᵀ (the paper writes
+Σ^½ on each side; its code puts all of Σ into W_up, the same product).
+
+Balanced factors: every branch ends with `balance_factors`, which rescales each latent channel i so that
+‖down row i‖ = ‖up column i‖ (for the plain SVD that is exactly Σ^½ on each side). The function is
+unchanged, but Adam's step ignores a weight's scale: with Σ and the whitening's L⁻¹ all on one side, the
+factors of SmolLM2's layer 0 differed 279× per channel, the small up-projections moved 18 % in 25
+fine-tuning steps and the gradient norm spiked to 733 (docs/conversion.md). `balance_attention` does the same to a
+converted attention module (after a layer fit, whose Adam steps may unbalance it again).
 
 - joint: one SVD of the stacked key-nope and value rows, rank ρ = n_kv·d_kv.
 - split: K and V separately, rank ρ/2 each, so the cache size equals joint's at the same d_kv.
@@ -70,15 +77,76 @@ def max_rank(method: str, rows_k: int, rows_v: int, in_features: int) -> int:
     raise ValueError(f"unknown SVD method {method!r}; choose one of {', '.join(METHODS)}")
 
 
+def channel_scales(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Per latent channel i, s_i with ‖up[:, i] / s_i‖ = ‖s_i · down[i]‖ (1 where either is zero)."""
+    up_norm, down_norm = up.double().norm(dim=0), down.double().norm(dim=1)
+    ok = (up_norm > 0) & (down_norm > 0)
+    ratio = torch.where(ok, up_norm / torch.where(ok, down_norm, 1.0), 1.0)
+    return ratio.sqrt()
+
+
+def balance_factors(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up / s, s · down) with s = channel_scales(up, down): the same product up @ down, each latent channel's
+    up column and down row of equal norm."""
+    s = channel_scales(up, down)
+    return (up.double() / s).to(up.dtype), (down.double() * s[:, None]).to(down.dtype)
+
+
+def imbalance(up: torch.Tensor, down: torch.Tensor) -> float:
+    """The largest per-channel ratio max(‖up col‖/‖down row‖, its inverse): 1 when balanced."""
+    s2 = channel_scales(up, down) ** 2
+    return float(torch.maximum(s2, 1 / s2).max())
+
+
+def _latent_readers(attn) -> list[tuple[torch.nn.Linear, slice]]:
+    """The up-projections of a converted attention and the latent channels each reads (split: halves)."""
+    rank = attn.kv_down.weight.shape[0]
+    k_width = attn.k_up.weight.shape[1]
+    if k_width == rank:
+        return [(attn.k_up, slice(0, rank)), (attn.v_up, slice(0, rank))]
+    return [(attn.k_up, slice(0, k_width)), (attn.v_up, slice(k_width, rank))]
+
+
+def _up_matrix(attn) -> torch.Tensor:
+    """[rows, ρ]: every up-projection's column for each latent channel (zeros where it does not read it)."""
+    rank = attn.kv_down.weight.shape[0]
+    blocks = []
+    for linear, channels in _latent_readers(attn):
+        block = torch.zeros(linear.weight.shape[0], rank, dtype=torch.float64, device=linear.weight.device)
+        block[:, channels] = linear.weight.detach().double()
+        blocks.append(block)
+    return torch.cat(blocks)
+
+
+@torch.no_grad()
+def balance_attention(attn) -> float:
+    """Balance a converted attention module's kv_down against k_up / v_up in place (the same function; the
+    up biases are untouched); returns the imbalance it had."""
+    up, down = _up_matrix(attn), attn.kv_down.weight.detach().double()
+    before = imbalance(up, down)
+    s = channel_scales(up, down)
+    attn.kv_down.weight.copy_((down * s[:, None]).to(attn.kv_down.weight.dtype))
+    for linear, channels in _latent_readers(attn):
+        linear.weight.copy_((linear.weight.double() / s[channels]).to(linear.weight.dtype))
+    return before
+
+
+def attention_imbalance(attn) -> float:
+    """`imbalance` of a converted attention module's latent factors."""
+    return imbalance(_up_matrix(attn), attn.kv_down.weight.detach().double())
+
+
 def _truncated(m: torch.Tensor, rank: int, white: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(up, down) of the best rank-`rank` approximation of m, in the norm ‖· L‖ when `white` = L is given."""
+    """Balanced (up, down) of the best rank-`rank` approximation of m, in the norm ‖· L‖ when `white` = L is
+    given."""
     if white is None:
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
-        return u[:, :rank] * s[:rank], vh[:rank]
+        return balance_factors(u[:, :rank] * s[:rank], vh[:rank])
     u, s, vh = torch.linalg.svd(m.double() @ white, full_matrices=False)
     # down = V_ρᵀ L⁻¹, i.e. downᵀ solves Lᵀ downᵀ = V_ρ
     down = torch.linalg.solve_triangular(white.T, vh[:rank].T, upper=True).T
-    return (u[:, :rank] * s[:rank]).float(), down.float()
+    up, down = balance_factors(u[:, :rank] * s[:rank], down)
+    return up.float(), down.float()
 
 
 def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str = DEFAULT_SVD,
