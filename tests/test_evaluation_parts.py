@@ -97,7 +97,10 @@ def test_evaluate_config_runs_each_part_with_the_configs_settings(converted, mon
     assert list(quality["long_context"]["needle"]) == ["16"]
     assert quality["long_context"]["needle"]["16"]["lengths"]["160"]["n"] == e["needle_samples"]
     assert quality["kv_quant"] is None and quality["decode"] is None
-    assert set(quality["seconds"]) == {"kv_cache", "perplexity", "passkey", "local_task"}
+    scored = quality["long_context"]["passkey_scored"]["lengths"]["160"]
+    assert scored["n"] == len(scored["samples"]) == e["passkey_scored"]
+    assert all(-30 < s["key_logprob"] <= 0 and s["answer_tokens"] >= 1 for s in scored["samples"])
+    assert set(quality["seconds"]) == {"kv_cache", "perplexity", "passkey", "passkey_scored", "local_task"}
 
     inference = evaluate(converted, INFERENCE)
     assert inference["part"] == INFERENCE and inference["perplexity"] is None and inference["benchmarks"] is None

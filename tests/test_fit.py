@@ -75,7 +75,7 @@ def test_fitting_lowers_every_layers_output_error_on_heldout_blocks():
     teacher = {k: v.clone() for k, v in source.state_dict().items()}
     train, heldout = _blocks(1, 64), _blocks(2, 16)
     before = [_independent_error(source, converted, i, heldout) for i in range(3)]
-    report = fit.fit_model(source, converted, train, heldout, fit.FitSettings(steps=40, lr=3e-3, batch=8),
+    report = fit.fit_model(source, converted, train, heldout, fit.FitSettings(steps=80, lr=1e-2, batch=8),
                            log=lambda *a: None)
     for i, entry in enumerate(report["layers"]):
         assert entry["error_before"] == pytest.approx(before[i], rel=1e-4)

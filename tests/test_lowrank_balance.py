@@ -87,3 +87,16 @@ def test_balance_attention_on_a_converted_model_keeps_its_logits(svd):
     assert lowrank.attention_imbalance(attn) == pytest.approx(1.0, abs=1e-3)
     with torch.no_grad():
         torch.testing.assert_close(mla(ids).logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_fit_leaves_every_layer_balanced_and_reports_what_it_had():
+    from mla.conversion import fit
+
+    source = tiny_llama(num_kv_heads=2, num_hidden_layers=2)
+    converted, _ = convert_model(source, d_kv=4, r=1, strategy="high")
+    g = np.random.default_rng(1)
+    report = fit.fit_model(source, converted, g.integers(1, 512, (16, 32)), g.integers(1, 512, (4, 32)),
+                           fit.FitSettings(steps=20, lr=1e-2, batch=4), log=lambda *a: None)
+    for entry, layer in zip(report["layers"], converted.model.layers):
+        assert entry["factor_imbalance"] > 1.0                     # Adam's steps moved the factors apart
+        assert lowrank.attention_imbalance(layer.self_attn) == pytest.approx(1.0, abs=1e-3)

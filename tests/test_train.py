@@ -4,6 +4,7 @@ guard rails (tiny MLA model, CPU, 1 process)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from train_helpers import BLOCK, plain_losses, read_rows, run_train, train_inputs  # noqa: F401  (fixture)
@@ -68,6 +69,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     assert info["tags"] == {"model": "mla", "variant": "d_kv8", "d_kv": 8}
     model = load_model(inputs / "resumed" / "final")
     assert model.config.model_type == "mla_llama"
+    assert model.config.use_cache     # training switches the cache off; the saved model has it on again
+    norms = [float(r["grad_norm"]) for r in b]
+    assert (info["grad_norm_median"], info["grad_norm_max"]) == pytest.approx((statistics.median(norms), max(norms)))
 
     # MLflow: one run per name, one point per step although steps 4-5 ran twice, params and tags
     client = MlflowClient(tracking_uri=f"sqlite:///{inputs}/mlflow.db")
@@ -77,6 +81,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
     run = client.get_run(info["mlflow_run_id"])
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    assert run.data.metrics["grad_norm_max_over_median"] == pytest.approx(max(norms) / info["grad_norm_median"])
     assert {m.step: m.value for m in history} == pytest.approx(dict(enumerate(losses_b, 1)), abs=1e-9)
     assert run.data.params["steps"] == str(STEPS) and run.data.params["zero_stage"] == "0"
     assert run.data.params["global_batch"] == "4"

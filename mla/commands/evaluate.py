@@ -110,6 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lc.add_argument("--needle-samples", type=int, default=D.needle_samples,
                     help=f"pass keys per length (default {D.needle_samples})")
     lc.add_argument("--needle-seed", type=int, default=D.needle_seed)
+    lc.add_argument("--passkey-scored", type=int, default=D.passkey_scored, metavar="N",
+                    help="also score N pass-key prompts per --needle length teacher-forced (quality part): the "
+                         "answer's log-probability and the share whose answer tokens are all the argmax, each "
+                         f"with its SE (default {D.passkey_scored} = off)")
     lc.add_argument("--longbench", choices=("auto", "off"), default=D.longbench,
                     help="the paper's 16 English LongBench tasks through lm-eval: auto = from the documents "
                          "`mla prefetch --longbench auto` staged (--prefetched, or $MLA_LM_EVAL_DATA), else "
@@ -210,7 +214,7 @@ def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int)
 # flags that --config replaces (the evaluation settings; the device and MLflow options are checked apart)
 SETTING_FLAGS = ("max_blocks", "local_task", "local_docs", "validation_fraction", "paper_tasks", "paper_limit", "mmlu",
                  "mmlu_seed", "prefetched", "kv_new_tokens", "kv_bits", "kv_group_size", "kv_residual", "kv_scored",
-                 "kv_blocks", "needle", "needle_samples", "longbench", "longbench_limit", "decode_grid",
+                 "kv_blocks", "needle", "needle_samples", "passkey_scored", "longbench", "longbench_limit", "decode_grid",
                  "decode_steps")
 
 
@@ -268,6 +272,8 @@ def run(args) -> int:
     needle = _int_list(args.needle, "--needle", "256,512 (prompt tokens)")
     if args.needle_samples < 1:
         raise UserError("--needle-samples must be positive")
+    if args.passkey_scored < 0:
+        raise UserError(f"--passkey-scored must be 0 (off) or a number of prompts, got {args.passkey_scored}")
     target = _mlflow_target(args)      # fail on bad MLflow options before any work
 
     import os

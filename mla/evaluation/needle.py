@@ -213,3 +213,95 @@ def needle_accuracy(model, tokenizer, *, lengths: list[int], samples: int, seed:
     return {"task": "passkey", "seed": seed, "samples": samples, "max_new_tokens": new_tokens,
             "lengths": per_length, "mean": mean, "mean_stderr": mean_se,
             "seconds": round(time.perf_counter() - t_all, 3)}
+
+
+# ---------------------------------------------------------------- teacher-forced score
+def answer_ids(tokenizer, key: int) -> list[int]:
+    """The tokens of the answer " NNNNN" that follows the question (no special tokens)."""
+    return tokenizer(f" {key}", add_special_tokens=False)["input_ids"]
+
+
+def _key_scores(model, tokenizer, drawn: list[dict], batch_size: int) -> list[dict]:
+    """Per prompt: mean log-probability of the answer's tokens given the prompt and the answer's earlier
+    tokens (teacher-forced), and whether each of them is the argmax. Batches are right-padded: a causal model
+    sees no padding before a scored position."""
+    import torch
+
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    out = []
+    for start in range(0, len(drawn), batch_size):
+        chunk = drawn[start:start + batch_size]
+        prompts = [tokenizer(d["prompt"])["input_ids"] for d in chunk]
+        answers = [answer_ids(tokenizer, d["key"]) for d in chunk]
+        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (p, a) in enumerate(zip(prompts, answers)):
+            ids[row, :len(p) + len(a)] = torch.tensor(p + a)
+            mask[row, :len(p) + len(a)] = 1
+        with torch.no_grad():   # the body once, the LM head only where an answer token is predicted
+            hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                         use_cache=False).last_hidden_state
+            head = model.get_output_embeddings()
+        for row, (d, p, a) in enumerate(zip(chunk, prompts, answers)):
+            # the answer's token j is predicted at position len(p) − 1 + j
+            with torch.no_grad():
+                scored = head(hidden[row, len(p) - 1:len(p) - 1 + len(a)]).float().log_softmax(-1)
+            target = torch.tensor(a, device=scored.device)
+            logprob = scored.gather(1, target[:, None]).squeeze(1)
+            out.append({"key": d["key"], "depth": d["depth"], "prompt_tokens": len(p), "answer_tokens": len(a),
+                        "key_logprob": float(logprob.mean()),
+                        "all_argmax": bool((scored.argmax(-1) == target).all()),
+                        "first_argmax": bool(scored[0].argmax() == target[0])})
+    return out
+
+
+def _mean_and_se(values: list[float]) -> tuple[float, float | None]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: int = 0,
+                   batch_size: int = 8) -> dict:
+    """The pass-key task teacher-forced: per length, `samples` prompts (draw_samples) with the true answer
+    " NNNNN" appended, scored in one forward pass each. A model can retrieve a key it does not yet write first
+    (a thin margin): these scores see that, greedy decoding of a few prompts does not.
+
+    Per length: `key_logprob` (mean over prompts of the mean log-probability of the answer's tokens) ± its SE
+    over prompts, `all_argmax` (share of prompts whose answer tokens are all the argmax: greedy decoding would
+    write the key right after the question) ± binomial SE, `first_argmax` (the answer's first token). `mean_*`:
+    over lengths, as independent estimates. Lengths beyond the model's positions are left out
+    (`lengths_skipped`).
+    """
+    from mla.evaluation.harness import mean_of_independent
+
+    if samples < 1:
+        raise UserError(f"samples must be at least 1, got {samples}")
+    if not lengths:
+        raise UserError("no context lengths given")
+    t_all = time.perf_counter()
+    fitting = fitting_lengths(model, lengths, {"max_new_tokens": 8})     # " NNNNN": at most 6 answer tokens
+    per_length = {}
+    for length in fitting:
+        t0 = time.perf_counter()
+        records = _key_scores(model, tokenizer, draw_samples(tokenizer, length, samples, seed), batch_size)
+        logprob, logprob_se = _mean_and_se([r["key_logprob"] for r in records])
+        hits = sum(r["all_argmax"] for r in records)
+        first = sum(r["first_argmax"] for r in records)
+        per_length[length] = {"key_logprob": logprob, "key_logprob_stderr": logprob_se,
+                              "all_argmax": hits / samples, "all_argmax_stderr": binomial_stderr(hits, samples),
+                              "first_argmax": first / samples,
+                              "first_argmax_stderr": binomial_stderr(first, samples),
+                              "n": samples, "seconds": round(time.perf_counter() - t0, 3), "samples": records}
+    out = {"task": "passkey_scored", "seed": seed, "samples": samples, "lengths": per_length,
+           "lengths_skipped": sorted(set(lengths) - set(fitting))}
+    for name in ("key_logprob", "all_argmax"):
+        values = [r[name] for r in per_length.values()]
+        stderrs = [r[f"{name}_stderr"] for r in per_length.values()]
+        out[f"mean_{name}"], out[f"mean_{name}_stderr"] = mean_of_independent(values, stderrs) if values else (None, None)
+    out["seconds"] = round(time.perf_counter() - t_all, 3)
+    return out

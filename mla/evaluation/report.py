@@ -32,6 +32,10 @@ says so in "status"/"reason" and carries no numbers:
                                 loss_change, loss_change_stderr (vs 16, paired over blocks)}}} | null
     long_context {needle_skipped?, needle_lengths_skipped? (beyond max_position_embeddings), needle: {bits: {status, task, lengths{L: {accuracy, stderr, n, ...}}, mean, mean_stderr,
                                   samples, seed, ...}} | null,
+                  passkey_scored?: {task, samples, seed, lengths{L: {key_logprob, key_logprob_stderr, all_argmax,
+                                   all_argmax_stderr, first_argmax, first_argmax_stderr, n, samples: [...]}},
+                                   mean_key_logprob, mean_key_logprob_stderr, mean_all_argmax, mean_all_argmax_stderr}
+                                   (quality part, full cache; mla/evaluation/needle.py passkey_scores),
                   longbench: {status: ok|partial|skipped, skipped?, scores{column: {task, score, stderr, n}},
                               mean, mean_stderr, ...} | null} | null
     seconds      {stage: wall seconds}
@@ -85,6 +89,7 @@ class EvalOptions:
     needle_lengths: list = field(default_factory=list)   # pass-key prompt lengths; empty = skip
     needle_samples: int = 10
     needle_seed: int = 0
+    passkey_scored: int = 0              # teacher-forced pass-key prompts per needle length (0 = off)
     longbench: str = "off"               # auto (skip offline) | off
     longbench_limit: int | None = None
     longbench_max_length: int | None = None
@@ -140,7 +145,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
 
 def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """KV-cache bytes, held-out perplexity, the benchmarks, pass keys with the full-precision cache."""
-    from mla.evaluation import harness, perplexity
+    from mla.evaluation import harness, needle, perplexity
     from mla.kv import measure_bytes
     from mla.kv.accounting import FULL_PRECISION_BITS
 
@@ -155,6 +160,14 @@ def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> N
     if opts.needle_lengths:
         result["long_context"] = stage("passkey", lambda: measure_long_context(
             model, tokenizer, opts, log, widths=[FULL_PRECISION_BITS], longbench=False))
+    if opts.needle_lengths and opts.passkey_scored:
+        scored = stage("passkey_scored", lambda: needle.passkey_scores(
+            model, tokenizer, lengths=opts.needle_lengths, samples=opts.passkey_scored, seed=opts.needle_seed))
+        result["long_context"]["passkey_scored"] = scored
+        if scored["lengths"]:
+            log(f"evaluate: pass key teacher-forced: answer all argmax {100 * scored['mean_all_argmax']:.1f} ± "
+                f"{100 * scored['mean_all_argmax_stderr']:.1f} %, log-probability {scored['mean_key_logprob']:.3f} ± "
+                f"{scored['mean_key_logprob_stderr']:.3f} per token ({opts.passkey_scored} prompts per length)")
     if opts.local_task:
         result["benchmarks"]["local"] = stage("local_task", lambda: harness.local_task(
             model, tokenizer, num_docs=opts.local_docs, validation_fraction=opts.validation_fraction,

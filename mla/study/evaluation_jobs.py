@@ -1,7 +1,8 @@
 """What the two evaluation jobs of each checkpoint measure, from a validated workflow config.
 
 *quality* (eval.json, run by `snakemake` / `all`): KV-cache bytes, held-out perplexity, the local
-lm-eval task, the paper's tasks, MMLU (cloze) and pass-key retrieval with the full-precision cache.
+lm-eval task, the paper's tasks, MMLU (cloze) and pass-key retrieval with the full-precision cache
+(greedy, and teacher-forced on more prompts).
 *inference* (inference.json, `snakemake inference`, and `all` when `evaluate.inference` is true):
 decode speed over a grid, the quantized caches' bytes and decoded losses, pass keys with each
 quantized cache, LongBench.
@@ -50,7 +51,8 @@ def settings(config: dict, model: str, part: str) -> dict:
         if out["mmlu"]:
             out["mmlu_seed"] = e["mmlu_seed"]
         if e["needle_lengths"]:
-            out.update(needle_lengths=list(e["needle_lengths"]), needle_samples=e["needle_samples"])
+            out.update(needle_lengths=list(e["needle_lengths"]), needle_samples=e["needle_samples"],
+                       passkey_scored=e["passkey_scored"])
         out["prefetched"] = PREFETCH_MANIFEST if needs_prefetch(config, QUALITY) else None
         return out
     if part == INFERENCE:

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from mla.study import paper_numbers
+from mla.training import grad_norms
 
 FINAL_LOSS_STEPS = 10
 SPECIAL_VARIANTS = ("original", "baseline")
@@ -149,6 +150,8 @@ def collect(variants: list[Variant]) -> list[dict]:
         mmlu = ((ev.get("benchmarks") or {}).get("mmlu") or {})
         speed, pred, at = _decode_summary(ev.get("decode"))
         losses = finite_losses(v.metrics) if v.metrics else None
+        grad_median, grad_max = grad_norms.spread(v.metrics) if v.metrics else (None, None)
+        scored = (ev.get("long_context") or {}).get("passkey_scored") or {}
         local_metric = "acc_norm" if local.get("acc_norm") is not None else "acc"
         rows.append({
             "variant": v.name, "d_kv": d_kv, "kv_ratio": kv_ratio, "kv_elements": kv_elems,
@@ -156,6 +159,7 @@ def collect(variants: list[Variant]) -> list[dict]:
             # step 1's loss is computed before the first update: the loss right after conversion (and fit)
             "first_loss": float(losses.iloc[0]) if losses is not None else None,
             "final_loss": mean_of_last(losses) if losses is not None else None,
+            "grad_norm_median": grad_median, "grad_norm_max": grad_max,
             "perplexity": ppl.get("perplexity"), "perplexity_se": ppl.get("perplexity_stderr"),
             "local_acc": local.get(local_metric), "local_acc_se": local.get(f"{local_metric}_stderr"),
             "scores": bench.get("scores") or {}, "scores_se": bench.get("scores_stderr") or {},
@@ -164,6 +168,8 @@ def collect(variants: list[Variant]) -> list[dict]:
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
             "label": v.label, "kv_quant": ev.get("kv_quant"), "decode": ev.get("decode"),
             "needle": ((ev.get("long_context") or {}).get("needle") or {}),
+            "key_argmax": scored.get("mean_all_argmax"), "key_argmax_se": scored.get("mean_all_argmax_stderr"),
+            "key_logprob": scored.get("mean_key_logprob"), "key_logprob_se": scored.get("mean_key_logprob_stderr"),
             "longbench": ((ev.get("long_context") or {}).get("longbench") or {}).get("mean"),
             "longbench_se": ((ev.get("long_context") or {}).get("longbench") or {}).get("mean_stderr"),
             "_key": _variant_key(Variant(v.name, d_kv, paper_row=v.paper_row)),
@@ -192,7 +198,7 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
     tasks = [t for t in paper_numbers.TASKS if any(t in r["scores"] for r in raw)]
     have = {k: any(r[k] is not None for r in raw)
             for k in ("params", "first_loss", "final_loss", "perplexity", "local_acc", "average", "mmlu_cloze",
-                      "decode_speedup")}
+                      "decode_speedup", "grad_norm_max", "key_argmax")}
 
     labels = any(r["label"] for r in raw)
     header = ["variant", *(["label"] if labels else []), "d_kv", "KV mem. change %"]
@@ -204,6 +210,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             header.append(title)
             if key in ("perplexity", "local_acc"):
                 header.append(title + SE_SUFFIX)
+    if have["grad_norm_max"]:
+        header += [GRAD_MEDIAN, GRAD_MAX_RATIO]
     if paper_model:   # the paper's average always; its task columns where we measured tasks (MMLU: cloze too)
         score_cols = ["avg", *(paper_numbers.TASKS if tasks else ["mmlu"] if have["mmlu_cloze"] else [])]
     elif have["average"] or tasks:
@@ -227,6 +235,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
     passkey = any(r["needle"] for r in raw)
     if passkey:
         header += [PASSKEY, PASSKEY + SE_SUFFIX]
+    if have["key_argmax"]:
+        header += [KEY_ARGMAX, KEY_ARGMAX + SE_SUFFIX, KEY_LOGPROB, KEY_LOGPROB + SE_SUFFIX]
     if any(r["longbench"] is not None for r in raw):
         header += [LONGBENCH, LONGBENCH + SE_SUFFIX]
 
@@ -245,6 +255,9 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
                 row.append(r[key])
                 if key in ("perplexity", "local_acc"):
                     row.append(r[f"{key}_se"])
+        if have["grad_norm_max"]:
+            median, largest = r["grad_norm_median"], r["grad_norm_max"]
+            row += [median, None if median is None or not median > 0 else largest / median]
         for t in score_cols:
             ours = r["average"] if t == "avg" else r["scores"].get(t)
             se = r["average_se"] if t == "avg" else r["scores_se"].get(t)
@@ -266,6 +279,10 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
                     _bytes_per_token(r, 16)]
         if passkey:
             row += _passkey(r, "16")
+        if have["key_argmax"]:
+            argmax, argmax_se = r["key_argmax"], r["key_argmax_se"]
+            row += [None if argmax is None else 100 * argmax, None if argmax_se is None else 100 * argmax_se,
+                    r["key_logprob"], r["key_logprob_se"]]
         if LONGBENCH in header:
             row += [None if r["longbench"] is None else 100 * r["longbench"],
                     None if r["longbench_se"] is None else 100 * r["longbench_se"]]
@@ -276,6 +293,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
 
 
 PASSKEY, LONGBENCH = "pass-key acc", "LongBench avg"
+KEY_ARGMAX, KEY_LOGPROB = "pass key all-argmax %", "pass-key log-prob"   # teacher-forced (needle.passkey_scores)
+GRAD_MEDIAN, GRAD_MAX_RATIO = "grad norm median", "grad norm max/median"
 
 
 def _passkey(r: dict, bits: str) -> list:
@@ -361,8 +380,12 @@ def _fmt(value, column: str) -> str:
         return value
     if column in ("d_kv",) or (column == "params" and isinstance(value, int)):
         return f"{int(value):,}" if column == "params" else str(int(value))
-    if column in (PASSKEY, LONGBENCH):
+    if column in (PASSKEY, LONGBENCH, KEY_ARGMAX):
         return f"{value:.1f}"
+    if column == KEY_LOGPROB:
+        return f"{value:.3f}"
+    if column == GRAD_MAX_RATIO:
+        return f"{value:.1f}x"
     if column in ("cache bits",):
         return str(int(value))
     if column == "KV bytes/token":
@@ -411,7 +434,11 @@ def table_notes(paper_model: str | None, model_name: str | None, variants: list[
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
              f"unweighted mean of the six columns (ARC = mean of Easy and Challenge), as in the paper. "
              f"± = one standard error (perplexity: across held-out blocks, delta method; accuracies: lm-eval's "
-             f"per-question SE, combined over tasks as independent estimates)."]
+             f"per-question SE, combined over tasks as independent estimates). Grad norm: the median of the "
+             f"logged gradient norms (before clipping) and the largest as a multiple of it. Pass key all-argmax "
+             f"and log-prob (where measured): pass-key prompts scored teacher-forced, the share whose answer "
+             f"tokens are all the argmax (± binomial SE) and the answer tokens' mean log-probability (± SE over "
+             f"prompts), mean over the prompt lengths."]
     if any_cache_rows:
         notes.append("Rows \"· N-bit cache\": the same checkpoint decoding with its KV cache quantized to N bits "
                      "(asymmetric, one scale and zero point per group of channels of a token; the newest tokens in "

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from mla import atomic
 from mla.errors import UserError
 from mla.study import tracking
+from mla.training import grad_norms
 from mla.training.schedule import scheduler_arguments
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
@@ -267,7 +268,7 @@ def mlflow_params(cfg, manifest: dict) -> dict:
 
 def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     """Final HF checkpoint, written to a temporary folder and renamed by rank 0."""
-    from mla.checkpoint import copy_tokenizer_files
+    from mla.checkpoint import copy_tokenizer_files, tidy_trained_checkpoint
 
     tmp = out / ".final.tmp"
     if trainer.is_world_process_zero():
@@ -275,6 +276,7 @@ def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     trainer.accelerator.wait_for_everyone()
     trainer.save_model(str(tmp))  # gathers ZeRO-3 partitions; only rank 0 writes
     if trainer.is_world_process_zero():
+        tidy_trained_checkpoint(tmp)
         copy_tokenizer_files(cfg.model, tmp)
         atomic.replace_dir(tmp, out / "final")
     trainer.accelerator.wait_for_everyone()
@@ -475,7 +477,12 @@ def run_training(cfg, manifest: dict) -> dict:
     if rank0:
         with atomic.staged(out / "metrics.csv") as tmp:
             shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
+        median, largest = grad_norms.spread(out / "metrics.csv")
+        info.update(grad_norm_median=median, grad_norm_max=largest)
         atomic.write_json(out / "run.json", info)
+        if run_id is not None and median:     # the spread of the run's gradient norms (mla/training/grad_norms.py)
+            tracking.log_metrics(run_id, {"grad_norm_median": median, "grad_norm_max": largest,
+                                          "grad_norm_max_over_median": largest / median}, tracking_uri=cfg.tracking_uri)
         if run_id is not None:
             tracking.log_artifacts(run_id, [out / "metrics.csv", out / "run.json"], tracking_uri=cfg.tracking_uri)
     return info
