@@ -23,6 +23,13 @@ and every row carries its per-block losses (`block_losses`, `original_block_loss
 `loss_after_fit` stays null unless `--fit-steps N` (or a fitting function passed to `run`,
 `fit(converted, original, train_blocks) -> fitted model`): then each conversion is also fitted layer by layer
 to the original's attention outputs (mla/conversion/fit.py, on a copy) and scored again on the same blocks.
+With `--passkey N` each row also carries the teacher-forced pass-key score (mla/evaluation/needle.py
+passkey_scores: N prompts per length of `--passkey-lengths`) right after conversion and after the fit, and the
+original's: `passkey_after_conversion`, `passkey_after_fit`, `original_passkey` (all-argmax share and the
+answer's log-probability, each ± SE).
+
+`--only-splits` measures just the width splits (the RoPE budget at one cache width: retrieval against the
+number of RoPE components), with `--split-latent per_head` for the default's per-head latents.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_recovery.py --model ~/.cache/mla/smollm2-135m-instruct-fp32 \\
         --data /tmp/rope/data --out recovery.json [--calibration-blocks 32] [--blocks 64] [--fit-steps 30]
@@ -58,8 +65,9 @@ class Method:
         return json.dumps({**options, "whiten": self.whiten}, sort_keys=True)
 
 
-def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,)) -> list[Method]:
-    """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits."""
+def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,),
+             only_splits: bool = False, split_latent: str = "shared") -> list[Method]:
+    """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits (only those: `only_splits`)."""
     width = n_kv * (d_kv + 2 * r)
     paper = dict(d_kv=d_kv, r=r, strategy="2-norm", svd="joint")
     rotated = dict(paper, strategy="rotated")
@@ -67,12 +75,15 @@ def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per
                Method("+ activation-aware SVD", paper, whiten=True),
                Method(f"+ rotated RoPE ({n_kv * r} components, one shared key)", rotated, whiten=True),
                Method("+ shared latent", dict(rotated, latent="shared"), whiten=True, same_function=True)]
+    if only_splits:
+        methods = []
     for dims in splits:
         split = dict(kv_width=width, rope_share=str(Fraction(dims, width)), svd="joint")
         if dims == 2 * n_kv * r:          # the split of the rows above
             split = dict(rotated)
-        methods.append(Method(f"+ split: {dims} RoPE dims (rotated, {dims // 2} components) + latent {width - dims}",
-                              dict(split, strategy="rotated", latent="shared"), whiten=True))
+        methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims (rotated, {dims // 2} components)"
+                              f" + latent {width - dims}", dict(split, strategy="rotated", latent=split_latent),
+                              whiten=True))
         if dims in per_head_splits and dims % (2 * n_kv) == 0:
             methods.append(Method(f"  beside: 2-norm per head r {dims // (2 * n_kv)} + latent {width - dims}, "
                                   "activation-aware", dict(split, strategy="2-norm"), whiten=True, beside=True))
@@ -96,8 +107,26 @@ def paired(losses: list[float], reference: list[float]) -> tuple[float, float]:
     return mean_and_stderr([a - b for a, b in zip(losses, reference)])
 
 
+def passkey_summary(scores: dict) -> dict:
+    """The headline of needle.passkey_scores: all-argmax share and answer log-probability, each ± SE."""
+    keys = ("mean_all_argmax", "mean_all_argmax_stderr", "mean_key_logprob", "mean_key_logprob_stderr")
+    return {**{k.removeprefix("mean_"): scores[k] for k in keys}, "samples": scores["samples"],
+            "lengths": sorted(scores["lengths"])}
+
+
+def passkey_scorer(tokenizer, lengths: list[int], samples: int) -> Callable:
+    """`retrieval` of `run`: a model -> passkey_summary of its teacher-forced pass-key scores."""
+    from mla.evaluation.needle import passkey_scores
+
+    def score(model) -> dict:
+        return passkey_summary(passkey_scores(model, tokenizer, lengths=lengths, samples=samples))
+
+    return score
+
+
 def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration_blocks: int = 32,
-        blocks: int = 64, batch_size: int = 8, fit: Callable | None = None, log=print) -> list[dict]:
+        blocks: int = 64, batch_size: int = 8, fit: Callable | None = None, retrieval: Callable | None = None,
+        log=print) -> list[dict]:
     """Calibrate once, convert with every method, score each on the same held-out blocks; JSON-ready rows."""
     from mla.conversion import calibrate
     from mla.conversion.convert import convert_model
@@ -112,6 +141,7 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
     original, tokens = per_block_losses(model, valid_blocks, batch_size, blocks)
     original_loss, original_se = mean_and_stderr(original)
     log(f"original: {original_loss:.3f} ± {original_se:.3f} on {len(original)} held-out blocks ({tokens} tokens)")
+    original_passkey = retrieval(model) if retrieval else None
     rows, steps, measured, previous = [], [], {}, None
     for method in methods:
         t0 = time.perf_counter()
@@ -136,10 +166,12 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
             note = f"logits equal to '{previous[1]['method']}' on 2 held-out blocks (max |diff| {gap:.1e}): its losses"
         else:
             losses, _ = per_block_losses(converted, valid_blocks, batch_size, blocks)
-        fit_losses = None
+        fit_losses, passkey_fit = None, None
+        passkey = retrieval(converted) if retrieval else None
         if fit is not None:   # a fit may use what makes two equal functions differ (a shared latent's heads)
             fitted = fit(converted, model, train_blocks)
             fit_losses, _ = per_block_losses(fitted, valid_blocks, batch_size, blocks)
+            passkey_fit = retrieval(fitted) if retrieval else None
         change, change_se = paired(losses, original)
         row = {"method": method.name, "kv_elements_per_token_layer": report["kv_elements_per_token_layer"],
                "rope_dims_per_layer": report["rope_dims_per_layer"], "latent_per_layer": report["latent_per_layer"],
@@ -148,7 +180,8 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
                "loss_after_fit": None, "loss_change_after_fit": None, "loss_se_after_fit": None,
                "original_loss": original_loss, "original_loss_se": original_se,
                "output_error_mean": report.get("output_error_mean"), "params_after": report["params_after"],
-               "note": note}
+               "passkey_after_conversion": passkey, "passkey_after_fit": passkey_fit,
+               "original_passkey": original_passkey, "note": note}
         if steps:   # the step of the cumulative ablation; a "beside" row against the step it stands beside
             row["change_vs_previous_row"], row["change_vs_previous_row_se"] = paired(losses, steps[-1]["block_losses"])
         row["block_losses"] = losses
@@ -158,7 +191,9 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
         row["seconds"] = round(time.perf_counter() - t0, 1)
         log(f"{method.name}: {row['loss_after_conversion']:.3f} ({change:+.3f} ± {change_se:.3f}) "
             f"[{row['rope_dims_per_layer']} RoPE + {row['latent_per_layer']} latent] {row['seconds']} s"
-            + (f" ({note})" if note else ""))
+            + (f" ({note})" if note else "")
+            + "".join(f"; pass key {when}: {_passkey_text(pk)}" for when, pk in
+                      (("after conversion", passkey), ("after fit", passkey_fit)) if pk))
         rows.append(row)
         steps += [] if method.beside else [row]
         measured[method.key()] = row
@@ -167,6 +202,25 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
         row.update(blocks=len(original), tokens=tokens, calibration_blocks=n, original_block_losses=original,
                    loss_se_kind="paired SE of the per-block loss change against the original model")
     return rows
+
+
+def _passkey_text(pk: dict | None) -> str:
+    if not pk:
+        return ""
+    return (f"{100 * pk['all_argmax']:.0f} ± {100 * pk['all_argmax_stderr']:.0f} % all-argmax, "
+            f"log-prob {pk['key_logprob']:.2f} ± {pk['key_logprob_stderr']:.2f}")
+
+
+def passkey_markdown(rows: list[dict]) -> str:
+    """Retrieval per row: teacher-forced pass keys after conversion and after the fit."""
+    lines = ["| method | cached (RoPE + latent) | pass key after conversion | after fit |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['kv_elements_per_token_layer']} ({r['rope_dims_per_layer']} + "
+                     f"{r['latent_per_layer']}) | {_passkey_text(r.get('passkey_after_conversion'))} | "
+                     f"{_passkey_text(r.get('passkey_after_fit'))} |")
+    o = rows[0].get("original_passkey")
+    lines.append(f"\noriginal: {_passkey_text(o)} ({o['samples']} prompts at each of {o['lengths']} tokens)")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -231,13 +285,21 @@ def main() -> None:
     p.add_argument("--fit-lr", type=float, default=3e-3)
     p.add_argument("--fit-blocks", type=int, default=32, help="training blocks the fit reads (the first)")
     p.add_argument("--fit-batch", type=int, default=4)
+    p.add_argument("--fit-heldout", type=int, default=8, help="held-out blocks of the fit's own report")
+    p.add_argument("--passkey", type=int, default=0, metavar="N",
+                   help="teacher-forced pass keys per length after conversion and fit (0: none)")
+    p.add_argument("--passkey-lengths", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--only-splits", action="store_true", help="measure only the width splits (the RoPE budget)")
+    p.add_argument("--split-latent", choices=("shared", "per_head"), default="shared",
+                   help="latent layout of the split rows (default shared, as in the recovery ablation)")
     args = p.parse_args()
 
     torch.manual_seed(0)
     start = time.perf_counter()
     model = checkpoint.load_model(args.model)
     n_kv = model.config.num_key_value_heads
-    methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits))
+    methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits),
+                       only_splits=args.only_splits, split_latent=args.split_latent)
     fit = None
     if args.fit_steps:
         import numpy as np
@@ -246,16 +308,22 @@ def main() -> None:
         from mla.evaluation.perplexity import evenly_spaced
 
         settings = FitSettings(steps=args.fit_steps, lr=args.fit_lr, blocks=args.fit_blocks, batch=args.fit_batch,
-                               heldout=8)
+                               heldout=args.fit_heldout)
         valid = open_blocks(args.data, "validation")
-        fit = layer_fit(settings, np.asarray(valid[evenly_spaced(len(valid), 8)], dtype=np.int64))
+        fit = layer_fit(settings, np.asarray(valid[evenly_spaced(len(valid), args.fit_heldout)], dtype=np.int64))
+    retrieval = None
+    if args.passkey:
+        retrieval = passkey_scorer(checkpoint.load_tokenizer(args.model), args.passkey_lengths, args.passkey)
     rows = run(model, open_blocks(args.data, "train"), open_blocks(args.data, "validation"), methods,
-               calibration_blocks=args.calibration_blocks, blocks=args.blocks, batch_size=args.batch_size, fit=fit)
+               calibration_blocks=args.calibration_blocks, blocks=args.blocks, batch_size=args.batch_size, fit=fit,
+               retrieval=retrieval)
     for row in rows:
         row["model"] = str(args.model)
     with atomic.staged(args.out) as tmp:
         tmp.write_text(json.dumps(rows, indent=1))
     print(markdown(rows))
+    if retrieval:
+        print(passkey_markdown(rows))
     print(f"total {time.perf_counter() - start:.0f} s (threads: {torch.get_num_threads()}); wrote {args.out}")
     best = min(rows, key=lambda r: r["loss_after_conversion"])
     print(f"best: {best['method']}: {best['loss_after_conversion']:.3f} (goal <= 4.0; original "

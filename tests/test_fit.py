@@ -18,7 +18,7 @@ from mla.checkpoint import load_model
 from mla.cli import main as mla_main
 from mla.conversion import fit
 from mla.conversion.convert import convert_checkpoint, convert_model
-from mla.tiny_models import save_tiny_checkpoint, tiny_llama
+from mla.tiny_models import save_tiny_checkpoint, tiny_llama, tiny_tokenizer
 
 TRAIN_BLOCKS, HELDOUT_BLOCKS, LENGTH = 48, 16, 32
 
@@ -223,8 +223,9 @@ def test_bench_recovery_scores_each_method_after_a_layer_fit_too():
     methods = [bench_recovery.Method("paper", {"strategy": "2-norm", "d_kv": 4, "r": 1, "svd": "joint"}),
                bench_recovery.Method("+ rotated", {"strategy": "rotated", "d_kv": 4, "r": 1, "svd": "joint"})]
     fit_ = bench_recovery.layer_fit(fit.FitSettings(steps=40, lr=3e-3, blocks=48, batch=8, heldout=4), _blocks(3, 4))
+    retrieval = bench_recovery.passkey_scorer(tiny_tokenizer(), [160], samples=3)
     rows = bench_recovery.run(source, _blocks(1, 48), _blocks(2, 16), methods, calibration_blocks=16, blocks=16,
-                              batch_size=8, fit=fit_, log=lambda *a: None)
+                              batch_size=8, fit=fit_, retrieval=retrieval, log=lambda *a: None)
     again = bench_recovery.run(source, _blocks(1, 48), _blocks(2, 16), methods, calibration_blocks=16, blocks=16,
                                batch_size=8, log=lambda *a: None)
     for row, plain in zip(rows, again):
@@ -232,6 +233,11 @@ def test_bench_recovery_scores_each_method_after_a_layer_fit_too():
         assert plain["loss_after_fit"] is None and row["loss_after_fit"] is not None
         assert row["loss_after_fit"] != pytest.approx(row["loss_after_conversion"], abs=1e-7), row["method"]
         assert row["loss_se_after_fit"] > 0
+        # teacher-forced pass keys of the original, the conversion and the fitted copy: three different models
+        assert plain["passkey_after_conversion"] is None and row["original_passkey"]["samples"] == 3
+        logprobs = [row[k]["key_logprob"] for k in ("original_passkey", "passkey_after_conversion", "passkey_after_fit")]
+        assert len(set(logprobs)) == 3 and all(x < 0 for x in logprobs)
+    assert "| paper |" in bench_recovery.passkey_markdown(rows)
 
 
 def test_a_layer_the_fit_makes_worse_keeps_its_converted_weights():
