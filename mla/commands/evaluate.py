@@ -187,7 +187,7 @@ def _kv_bits(args) -> list[int]:
 
 def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int) -> None:
     """Refuse, before the model loads, widths the checkpoint's cache cannot be quantized to."""
-    from mla.conversion import shapes
+    from mla import shapes
     from mla.errors import UserError
     from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
     from mla.kv.quantized import original_group_problem

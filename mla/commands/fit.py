@@ -1,7 +1,7 @@
 """`mla fit`: train each converted attention layer to reproduce the original layer's outputs (layer-wise
 fitting, teacher-forced; mla/conversion/fit.py) and write the fitted MLA checkpoint (+ fit.json)."""
 
-from mla.study.options import FIT_DEFAULTS
+from mla.options import FIT_DEFAULTS
 
 HELP = "fit each converted attention layer to the original layer's attention outputs, layer by layer"
 

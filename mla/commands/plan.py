@@ -2,7 +2,7 @@
 latent per layer), or with --train the per-GPU memory of a training job (model states per ZeRO stage,
 activations, buffers), from the config alone."""
 
-from mla.study.options import DEFAULT_LATENT, LATENT_LAYOUTS, ROPE_STRATEGIES
+from mla.options import DEFAULT_LATENT, LATENT_LAYOUTS, ROPE_STRATEGIES
 
 HELP = ("print parameter counts and KV-cache size before/after conversion, or (--train) the per-GPU memory of "
         "a training job, as JSON, without loading weights")
@@ -56,7 +56,7 @@ def add_arguments(p):
 def run(args):
     import json
 
-    from mla.conversion import shapes
+    from mla import shapes
     from mla.errors import UserError
 
     config = shapes.read_config(args.base)
@@ -94,7 +94,7 @@ def run(args):
 def _quantized(s, layout, bits: int, group_size: int, scale_bytes: int) -> dict:
     """The converted cache per token at `bits`, against the original's 16-bit K and V (long-context limit:
     every token quantized, the full-precision window left out)."""
-    from mla.conversion import shapes
+    from mla import shapes
     from mla.errors import UserError
     from mla.modeling.cache_mla import cached_widths, check_quantization, quantized_bytes_per_token
 
@@ -136,7 +136,7 @@ def _run_train(args, config) -> int:
         raise UserError("--r needs --d-kv (it plans the converted model)")
     teacher_params = None
     if args.teacher is not None:
-        from mla.conversion import shapes
+        from mla import shapes
         from mla.training.memory import teacher_parameters
 
         teacher_params = teacher_parameters(shapes.read_config(args.teacher) if args.teacher else config)

@@ -111,8 +111,8 @@ def load_spec(path: str) -> list[dict]:
 
 
 def log_summary_artifacts(tracking_uri: str, experiment: str, run_name: str, paths: list[Path]) -> None:
-    """Attach figures/tables to an experiment-level summary run (mla/study/tracking.py)."""
-    from mla.study import tracking
+    """Attach figures/tables to an experiment-level summary run (mla/tracking.py)."""
+    from mla import tracking
 
     run_id = tracking.get_or_create_run(tracking_uri, experiment, run_name, tags={"variant": "summary"})
     tracking.log_artifacts(run_id, [str(p) for p in paths], tracking_uri=tracking_uri)

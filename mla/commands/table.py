@@ -185,7 +185,7 @@ def _spec_from_config(args) -> dict:
 
 def tag_runs(tracking_uri: str, study: str, variants: list[dict]) -> None:
     """Tag each variant's (possibly shared) training run with the experiment and label it appears under."""
-    from mla.study import tracking
+    from mla import tracking
 
     for v in variants:
         if not v.get("run_json"):

@@ -114,7 +114,7 @@ def _train_here(cfg, manifest: dict, cuda: bool) -> int:
     if not cuda:
         launch.skip_shm_build()
 
-    from mla.study.tracking import is_rank_zero
+    from mla.tracking import is_rank_zero
     from mla.training.trainer import run_training
 
     info = run_training(cfg, manifest)

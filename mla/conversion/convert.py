@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from mla import shapes
 from mla.conversion import layout as layouts
-from mla.conversion import lowrank, partial_rope, rotation, shapes
+from mla.conversion import lowrank, partial_rope, rotation
 from mla.errors import UserError
-from mla.study.options import (
+from mla.options import (
     CALIBRATED_ROPE_STRATEGIES,
     DEFAULT_LATENT,
     DEFAULT_ROPE_STRATEGY,

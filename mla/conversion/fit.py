@@ -43,7 +43,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mla.study.options import FIT_DEFAULTS
+from mla.options import FIT_DEFAULTS
+from mla.perplexity import perplexity
+from mla.stats import evenly_spaced, mean_and_stderr
 
 ERROR_DEFINITION = ("relative output error of a layer's attention = Σ‖ŷ − y‖² / Σ‖y‖² over the held-out blocks' "
                     "tokens, y the source layer's attention output on the source hidden states (teacher-forced), "
@@ -264,16 +266,12 @@ def _as_ids(blocks) -> torch.Tensor:
 
 
 def _paired_change(before: list[float], after: list[float]) -> dict:
-    from mla.evaluation.perplexity import mean_and_stderr
-
     mean, se = mean_and_stderr(np.asarray(after) - np.asarray(before))
     return {"mean": mean, "stderr": se, "blocks": len(before), "stderr_method": "paired: SE of per-block differences"}
 
 
 def heldout_loss(model, blocks, batch: int) -> dict:
     """Mean held-out loss ± SE of a causal LM on token blocks [N, T], with per-block losses."""
-    from mla.evaluation.perplexity import perplexity
-
     return perplexity(model, np.asarray(blocks, dtype=np.int64), batch_size=batch, per_block=True)
 
 
@@ -382,7 +380,6 @@ def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tup
     `mla calibrate` reads them) and `settings.heldout` validation blocks evenly spaced (as perplexity does)."""
     from mla.data import open_blocks
     from mla.errors import UserError
-    from mla.evaluation.perplexity import evenly_spaced
 
     if not Path(data_dir).is_dir():
         raise UserError(f"--data {data_dir}: no such folder (fitting needs training blocks from `mla data`)")
@@ -432,7 +429,7 @@ def fit_checkpoint(source: str | Path, model: str | Path, data: str | Path, out:
     checkpoint (the converted one's files with every attention layer replaced, + conversion.json, fit.json)
     atomically to `out`. Finished layers persist in `work_folder(out)` until the output is complete."""
     from mla import atomic, checkpoint, devices
-    from mla.conversion import shapes
+    from mla import shapes
 
     source, model, out = checkpoint.require_checkpoint(source), checkpoint.require_checkpoint(model), Path(out)
     check_pair(shapes.read_config(source), shapes.read_config(model), model)

@@ -1,8 +1,8 @@
 """Benchmark accuracy through EleutherAI's lm-eval harness, with the model object as an `HFLM`.
 
 Three task sets:
-  - the offline default `mla_stdlib_next_line` (mla/lm_eval_tasks): runs everywhere, no Hub;
-  - `mla_mmlu_cloze` (mla/lm_eval_tasks): MMLU exactly as the paper prompts it ("The following are
+  - the offline default `mla_stdlib_next_line` (mla/evaluation/lm_eval_tasks): runs everywhere, no Hub;
+  - `mla_mmlu_cloze` (mla/evaluation/lm_eval_tasks): MMLU exactly as the paper prompts it ("The following are
     questions about {topic}.\nQuestion: ...\nAnswer:", answer texts as choices, acc_norm) on a stratified
     sample of the test split from a PyPI wheel (no Hub), scored with the shared-context scorer
     (mla/evaluation/shared_context.py: each question's context runs once);
@@ -46,8 +46,8 @@ import random
 import socket
 from pathlib import Path
 
-from mla.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla.evaluation.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 # paper column -> lm-eval task(s) whose acc_norm (acc where absent) make the column
 PAPER_TASKS = {

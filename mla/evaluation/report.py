@@ -38,7 +38,7 @@ says so in "status"/"reason" and carries no numbers:
     cpu_seconds  {stage: CPU seconds of the process, all threads (on a busy machine: what the stage costs)}
 
 Every accuracy and perplexity carries its standard error in a sibling `*_stderr` field (None where
-it cannot be estimated, e.g. from a single block); see perplexity.py and harness.py for the methods.
+it cannot be estimated, e.g. from a single block); see mla/perplexity.py and harness.py for the methods.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 SCHEMA = "mla.evaluation/1"
 PARTS = ("quality", "inference", "all")
@@ -140,14 +140,16 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
 
 def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """KV-cache bytes, held-out perplexity, the benchmarks, pass keys with the full-precision cache."""
-    from mla.evaluation import harness, perplexity
+    from mla import perplexity
+    from mla.data import load_blocks
+    from mla.evaluation import harness
     from mla.kv import measure_bytes
     from mla.kv.accounting import FULL_PRECISION_BITS
 
     result["kv_cache"] = stage("kv_cache", lambda: measure_bytes.measure_kv_bytes(
         model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens))
     if opts.blocks:
-        blocks = perplexity.load_blocks(opts.blocks, opts.split)
+        blocks = load_blocks(opts.blocks, opts.split)
         ppl = stage("perplexity", lambda: perplexity.perplexity(
             model, blocks, batch_size=opts.ppl_batch_size, max_blocks=opts.max_blocks))
         result["perplexity"] = {"source": str(opts.blocks),
@@ -172,14 +174,15 @@ def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> N
 
 def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """Quantized caches (bytes, decoded losses, pass keys), LongBench, decode speed."""
-    from mla.evaluation import decode, perplexity
+    from mla.data import load_blocks
+    from mla.evaluation import decode
     from mla.kv.accounting import FULL_PRECISION_BITS
 
     if opts.part == "inference":
         result["benchmarks"] = None
     if opts.kv_bits:
         result["kv_quant"] = stage("kv_quant", lambda: measure_kv_quant(
-            model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
+            model, load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
     quantized = sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True) if opts.needle_lengths else []
     if quantized or opts.longbench != "off":
         measured = stage("long_context", lambda: measure_long_context(
@@ -341,7 +344,7 @@ def flat_metrics(result: dict) -> dict:
 def log_to_mlflow(result: dict, json_path: Path, *, tracking_uri: str | None, run_id: str | None = None,
                   experiment: str | None = None, run_name: str | None = None) -> str | None:
     """Log the scalar metrics and the JSON to the variant's run (found by id, or by experiment + name)."""
-    from mla.study import tracking
+    from mla import tracking
 
     opened = run_id is None
     if opened:

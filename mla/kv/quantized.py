@@ -23,6 +23,7 @@ import numpy as np
 
 from mla.errors import UserError
 from mla.kv.accounting import FULL_PRECISION_BITS
+from mla.stats import evenly_spaced, mean_and_stderr
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def make_cache(model, quant: KVQuant | None):
 def original_group_problem(config, group_size: int) -> str | None:
     """Why `group_size` cannot group an original model's keys and values (quanto groups consecutive values
     of a token's heads: the group size must divide n_kv·d_h for every prompt length), or None."""
-    from mla.conversion import shapes
+    from mla import shapes
 
     s = shapes.shape_of(config if isinstance(config, dict) else config.to_dict())
     width = s.kv_heads * s.head_dim
@@ -138,7 +139,6 @@ def decoded_loss(model, blocks: np.ndarray, quant: KVQuant | None, *, scored: in
 def quantized_cache_losses(model, blocks: np.ndarray, bits: list[int], *, group_size: int, residual: int,
                            scored: int, max_blocks: int | None = None, batch_size: int = 8, log=print) -> dict:
     """Held-out loss (± SE over blocks) with the cache at each bit width, and its paired difference to 16."""
-    from mla.evaluation.perplexity import evenly_spaced, mean_and_stderr
 
     check_bits(bits)
     n = len(blocks) if max_blocks is None else min(max_blocks, len(blocks))

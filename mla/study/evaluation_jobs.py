@@ -33,7 +33,7 @@ def needs_prefetch(config: dict, part: str | None = None) -> bool:
 
 def settings(config: dict, model: str, part: str) -> dict:
     """The `EvalOptions` fields of `part` for a checkpoint of `model` (a key of config.models)."""
-    from mla.kv.accounting import group_size_for
+    from mla.study.kv_check import group_size_for
 
     e = config["evaluate"]
     if part == QUALITY:

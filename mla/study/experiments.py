@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from fractions import Fraction
 
-from mla.study.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS
+from mla.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS
 
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).

@@ -24,7 +24,7 @@ def layout_errors(config: dict, results: str = "results") -> list[tuple[str, str
     """(config key, message) for each variant whose budget its model cannot hold."""
     from mla.conversion.layout import LayoutError, resolve
     from mla.study import experiments
-    from mla.training.memory import model_config
+    from mla.study.model_configs import model_config
 
     errors, shapes_of = [], {}
     for v in experiments.all_variants(config):

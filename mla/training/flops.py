@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from mla.conversion import shapes
+from mla import shapes
 
 # dense bf16 tensor-core peak FLOP/s by model name; the longest name that appears as whole words wins
 PEAK_BF16_FLOPS = {"B200": 2250e12, "GH200": 989.4e12, "H200": 989.4e12, "H100": 989.4e12,

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from mla import atomic
 from mla.errors import UserError
-from mla.study import tracking
+from mla import tracking
 from mla.training.schedule import scheduler_arguments
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]

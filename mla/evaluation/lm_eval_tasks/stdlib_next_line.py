@@ -15,7 +15,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 SOURCE_NAME = "python-stdlib"   # the name of the source in mla.data.PYDOC_STDLIB (same split hash)
 MIN_LINE_CHARS = 12
