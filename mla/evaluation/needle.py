@@ -23,6 +23,7 @@ import re
 import time
 
 from mla.errors import UserError
+from mla.evaluation.harness import mean_of_independent
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -178,8 +179,6 @@ def needle_accuracy(model, tokenizer, *, lengths: list[int], samples: int, seed:
     answer, correct}]}}, "mean", "mean_stderr", "seconds"}.
     UserError when a length plus the generated tokens exceeds the model's max_position_embeddings.
     """
-    from mla.evaluation.harness import mean_of_independent
-
     if samples < 1:
         raise UserError(f"samples must be at least 1, got {samples}")
     if batch_size < 1:

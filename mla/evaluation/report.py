@@ -47,6 +47,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mla import atomic, tracking
+from mla.checkpoint import load_model
+from mla.evaluation import harness, needle
+from mla.evaluation import longbench as longbench_
+from mla.kv.accounting import FULL_PRECISION_BITS
 from mla.options import DEFAULT_VALIDATION_FRACTION
 
 SCHEMA = "mla.evaluation/1"
@@ -107,7 +112,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     """Every requested measurement of `opts.part` of one loaded model, as the JSON-ready dict described above."""
     import torch
 
-    from mla.conversion.convert import count_parameters
+    from mla.conversion.convert import count_parameters  # lazy: torch; the workflow's parse reads EvalOptions
 
     cfg = model.config
     is_mla = getattr(cfg, "model_type", "") == "mla_llama"
@@ -140,11 +145,9 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
 
 def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """KV-cache bytes, held-out perplexity, the benchmarks, pass keys with the full-precision cache."""
-    from mla import perplexity
+    from mla import perplexity  # lazy: numpy, torch; the workflow's parse reads EvalOptions
     from mla.data import load_blocks
-    from mla.evaluation import harness
     from mla.kv import measure_bytes
-    from mla.kv.accounting import FULL_PRECISION_BITS
 
     result["kv_cache"] = stage("kv_cache", lambda: measure_bytes.measure_kv_bytes(
         model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens))
@@ -174,9 +177,8 @@ def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> N
 
 def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """Quantized caches (bytes, decoded losses, pass keys), LongBench, decode speed."""
-    from mla.data import load_blocks
+    from mla.data import load_blocks  # lazy: numpy, torch; the workflow's parse reads EvalOptions
     from mla.evaluation import decode
-    from mla.kv.accounting import FULL_PRECISION_BITS
 
     if opts.part == "inference":
         result["benchmarks"] = None
@@ -192,8 +194,6 @@ def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) ->
     if opts.decode_grid:
         original = None
         if opts.original:
-            from mla.checkpoint import load_model
-
             first = next(model.parameters())
             original = load_model(opts.original, dtype=first.dtype).to(first.device).eval()
         result["decode"] = stage("decode", lambda: decode.decode_grid(
@@ -203,8 +203,7 @@ def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) ->
 
 def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     """Bytes held after generate at each quantized width, and (with held-out blocks) the decoded losses."""
-    from mla.kv import measure_bytes, quantized
-    from mla.kv.accounting import FULL_PRECISION_BITS
+    from mla.kv import measure_bytes, quantized  # lazy: numpy, torch; the workflow's parse reads EvalOptions
 
     out = {"group_size": opts.kv_group_size, "residual": opts.kv_residual, "bytes": {}}
     for b in sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True):
@@ -225,9 +224,7 @@ def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
 def measure_long_context(model, tokenizer, opts: EvalOptions, log, widths: list[int], longbench: bool) -> dict:
     """Pass-key retrieval with the cache at each of `widths` (16 = full precision); LongBench when asked
     (and online)."""
-    from mla.evaluation import longbench as longbench_
-    from mla.evaluation import needle
-    from mla.kv import quantized
+    from mla.kv import quantized  # lazy: numpy, torch; the workflow's parse reads EvalOptions
 
     out = {"needle": None, "longbench": None}
     lengths = needle.fitting_lengths(model, opts.needle_lengths) if widths else []
@@ -266,8 +263,7 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log, widths: list[
 
 def _decode_quant(model, opts: EvalOptions):
     """The cache an MLA model is also timed with: 4 bits when measured, else the smallest width."""
-    from mla.kv import quantized
-    from mla.kv.accounting import FULL_PRECISION_BITS
+    from mla.kv import quantized  # lazy: numpy, torch; the workflow's parse reads EvalOptions
 
     widths = [b for b in opts.kv_bits if b != FULL_PRECISION_BITS]
     if not widths or not quantized.is_mla(model):
@@ -276,8 +272,6 @@ def _decode_quant(model, opts: EvalOptions):
 
 
 def write_json(result: dict, out: str | Path) -> Path:
-    from mla import atomic
-
     atomic.write_json(out, result)
     return Path(out)
 
@@ -344,8 +338,6 @@ def flat_metrics(result: dict) -> dict:
 def log_to_mlflow(result: dict, json_path: Path, *, tracking_uri: str | None, run_id: str | None = None,
                   experiment: str | None = None, run_name: str | None = None) -> str | None:
     """Log the scalar metrics and the JSON to the variant's run (found by id, or by experiment + name)."""
-    from mla import tracking
-
     opened = run_id is None
     if opened:
         run_id = tracking.get_or_create_run(tracking_uri, experiment, run_name,

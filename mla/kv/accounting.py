@@ -55,6 +55,7 @@ def kv_elements_per_token(config) -> int:
 
 def quantized_bytes_per_token(config, nbits: int, group_size: int, scale_bytes: int) -> int:
     """Bytes per quantized token summed over layers, scales and zero points included."""
+    # lazy: torch; the workflow's parse checks cache widths
     from mla.modeling.cache_mla import quantized_bytes_per_token as row_bytes
 
     cfg = config if isinstance(config, dict) else config.to_dict()

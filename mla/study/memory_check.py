@@ -17,7 +17,7 @@ from mla.training.memory import GB, parse_memory, plan_training, teacher_paramet
 def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int, gpu_bytes: int,
                results: str | Path = "results") -> dict:
     """Plan of every variant of one experiment: {variant: plan}."""
-    # imports torch: only GPU configs get here, not every Snakefile parse
+    # lazy: torch; only GPU configs get here, not every Snakefile parse
     from mla.conversion.convert import full_rank_d_kv
 
     s = shapes.shape_of(cfg_model)

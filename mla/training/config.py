@@ -9,9 +9,12 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from mla.checkpoint import require_checkpoint
+from mla.devices import resolve_device
 from mla.errors import UserError
 from mla.specfile import read_mapping
 from mla.training.schedule import check_schedule
+from mla.training.trainable import TRAINABLE
 
 # The paper's recipe for SmolLM-135M (App. C, Table 4): AdamW(0.9, 0.95, 1e-8), peak lr 1e-4, clip 1.0, warmup
 # 5 %, decay 10 % of the steps; weight decay 0.01 as in the authors' released training configs; seed 42.
@@ -196,8 +199,6 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
 
 
 def _check_distillation(cfg: TrainConfig) -> None:
-    from mla.training.trainable import TRAINABLE
-
     if not cfg.distill_weight >= 0:
         raise UserError(f"--distill-weight (train.distill.weight) must be >= 0, got {cfg.distill_weight}")
     if not cfg.distill_temperature > 0:
@@ -225,8 +226,7 @@ def _check_deepspeed_override(path: Path) -> None:
 
 def check_inputs(cfg: TrainConfig) -> dict:
     """Model and data exist and fit together; returns the data manifest."""
-    from mla.checkpoint import require_checkpoint
-    from mla.data import read_manifest
+    from mla.data import read_manifest  # lazy: numpy; the workflow's parse reads TrainConfig
 
     require_checkpoint(cfg.model)
     manifest = read_manifest(cfg.data)
@@ -247,8 +247,6 @@ def check_inputs(cfg: TrainConfig) -> dict:
 def _check_teacher(cfg: TrainConfig, model_config: dict) -> None:
     """The teacher exists and predicts over the student's vocabulary: same size and, where both folders carry a
     tokenizer.json, the same tokens (the KL compares the two next-token distributions entry by entry)."""
-    from mla.checkpoint import require_checkpoint
-
     try:
         require_checkpoint(cfg.teacher)
     except UserError as exc:
@@ -273,8 +271,6 @@ def _tokenizer_tokens(path: Path):
 
 def use_cuda(cfg: TrainConfig) -> bool:
     """The device decision, made before anything is loaded: --device cuda without CUDA is an error."""
-    from mla.devices import resolve_device
-
     return resolve_device(cfg.device, flag="--device", config_key="train.device").type == "cuda"
 
 

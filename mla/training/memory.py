@@ -90,6 +90,7 @@ from dataclasses import dataclass
 from mla import shapes
 from mla.errors import UserError
 from mla.options import DEFAULT_SVD
+from mla.training.kl_chunks import KL_CHUNK_TEMPORARIES, chunk_rows
 
 GB = 10**9
 HEADROOM_FRACTION = 0.10         # of the GPU, kept for CUDA context, NCCL and fragmentation
@@ -195,8 +196,6 @@ def host_bytes_per_node(P: int, *, gpus_per_node: int, nodes: int, offload: bool
 
 def distill_activation_bytes(s: shapes.Shape, *, micro_batch: int, seq: int, precision: str) -> dict:
     """What distillation adds to the loss's forward and backward peaks (module docstring)."""
-    from mla.training.kl_chunks import KL_CHUNK_TEMPORARIES, chunk_rows
-
     w, bsv = _word_bytes(precision), micro_batch * seq * s.vocab
     chunk = KL_CHUNK_TEMPORARIES * 4 * min(micro_batch * seq, chunk_rows(s.vocab)) * s.vocab
     return {"teacher_logits": w * bsv, "kl_chunks": chunk, "loss_forward": w * bsv + chunk,
