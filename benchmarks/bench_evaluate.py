@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     from mla.checkpoint import load_model, load_tokenizer
     from mla.evaluation.harness import local_task
-    from mla.evaluation.perplexity import perplexity
+    from mla.perplexity import perplexity
     from mla.sources import smollm2_checkpoint
 
     path = smollm2_checkpoint()

@@ -23,9 +23,9 @@ import yaml
 
 from mla.checkpoint import load_model, load_tokenizer
 from mla.evaluation import decode, report
-from mla.evaluation.perplexity import load_blocks
+from mla.data import load_blocks
 from mla.kv import quantized
-from mla.kv.accounting import group_size_for
+from mla.study.kv_check import group_size_for
 from mla.study import experiments
 from mla.study.config_schema import validated
 

@@ -102,7 +102,7 @@ def max_logit_gap(a, b, valid_blocks, blocks: int = 2) -> float:
 
 def paired(losses: list[float], reference: list[float]) -> tuple[float, float]:
     """Mean change against the reference's per-block losses and its paired standard error."""
-    from mla.evaluation.perplexity import mean_and_stderr
+    from mla.stats import mean_and_stderr
 
     return mean_and_stderr([a - b for a, b in zip(losses, reference)])
 
@@ -130,7 +130,8 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
     """Calibrate once, convert with every method, score each on the same held-out blocks; JSON-ready rows."""
     from mla.conversion import calibrate
     from mla.conversion.convert import convert_model
-    from mla.evaluation.perplexity import mean_and_stderr, per_block_losses
+    from mla.perplexity import per_block_losses
+    from mla.stats import mean_and_stderr
 
     start = time.perf_counter()
     n = min(calibration_blocks, len(train_blocks))
@@ -305,7 +306,7 @@ def main() -> None:
         import numpy as np
 
         from mla.conversion.fit import FitSettings
-        from mla.evaluation.perplexity import evenly_spaced
+        from mla.stats import evenly_spaced
 
         settings = FitSettings(steps=args.fit_steps, lr=args.fit_lr, blocks=args.fit_blocks, batch=args.fit_batch,
                                heldout=args.fit_heldout)

@@ -24,7 +24,7 @@ def main() -> None:
     from mla.conversion import calibrate
     from mla.conversion.convert import convert_model
     from mla.data import open_blocks
-    from mla.evaluation.perplexity import perplexity
+    from mla.perplexity import perplexity
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)

@@ -26,7 +26,7 @@ def load_model(path: str | Path, dtype=None, attn_implementation: str | None = N
     import torch
     from transformers import AutoModelForCausalLM
 
-    import mla.modeling  # noqa: F401  registers the MLA classes with the Auto classes
+    import mla.modeling  # noqa: F401  registers the MLA classes with the Auto classes; lazy: torch, transformers
 
     p = require_checkpoint(path)
     kwargs = {"dtype": dtype or torch.float32}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mla.errors import UserError
+
 CHOICES = ("auto", "cpu", "cuda")
 _NO_LIMIT = 1 << 60  # cgroup v1 writes 2^63 - page size for "no limit"
 
@@ -20,7 +22,6 @@ def resolve_device(requested: str = "auto", *, flag: str = "--device", config_ke
     """torch.device for `requested` (auto | cpu | cuda | cuda:N); UserError when CUDA is asked for but absent."""
     import torch
 
-    from mla.errors import UserError
 
     name = (requested or "auto").strip().lower()
     if name == "auto":

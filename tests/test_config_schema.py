@@ -44,7 +44,8 @@ def test_a_recipe_that_mla_train_would_refuse_is_named_before_any_job():
 
 
 def test_the_workflow_recipe_becomes_mla_train_options():
-    from mla.training.config import parse_options, workflow_options
+    from mla.study.train_options import workflow_options
+    from mla.training.config import parse_options
 
     train = validated(_default_config())["train"]
     options = workflow_options(dict(train, offload_optimizer=True, zero_stage=2, device="gpu"))

@@ -16,7 +16,7 @@ from mla.cli import UserError, main
 from mla.data import PYDOC_STDLIB, build_dataset, in_validation, open_blocks, read_manifest
 from mla.data.readers import PYTHON_DOCS_ENV, PythonDocstrings, docstrings
 from mla.sources import sha256_of
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 BLOCK, TRAIN_CAP, VAL_CAP = 64, 30_000, 3_000
 SHARES = {"python-docstrings": 0.6, "pydoc-topics": 0.1, "python-stdlib": 0.3}  # prose 0.7, code 0.3

@@ -13,10 +13,10 @@ import torch
 from mla.cli import main
 from mla.conversion.convert import convert_model
 from mla.evaluation import decode, harness
-from mla.evaluation.perplexity import perplexity
+from mla.perplexity import perplexity
 from mla.evaluation.report import TOP_LEVEL_FIELDS
 from mla.kv import measure_bytes
-from mla.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
+from mla.evaluation.lm_eval_tasks import LOCAL_TASK, TASKS_DIR
 from mla.tiny_models import tiny_llama, tiny_tokenizer
 
 D_H = 16  # tiny_llama: hidden 64, 4 query heads
@@ -127,7 +127,7 @@ def test_local_task_documents_are_true_next_lines():
     from pathlib import Path
 
     from mla.data import in_validation
-    from mla.study.options import DEFAULT_VALIDATION_FRACTION
+    from mla.options import DEFAULT_VALIDATION_FRACTION
 
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = task.load(num_docs=25)["test"]
@@ -469,7 +469,7 @@ def test_paper_decode_point_32x4096_needs_128gib_for_the_fp32_original():
     64 GB job it is skipped, never allocated (the model here lives on the meta device: no memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mla.conversion.shapes import read_config
+    from mla.shapes import read_config
 
     cfg = LlamaConfig(**{k: v for k, v in read_config("llama-2-7b").items() if k != "architectures"})
     with torch.device("meta"):

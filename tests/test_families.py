@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from mla.conversion import calibrate, shapes
+from mla import shapes
+from mla.conversion import calibrate
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.errors import UserError
 from mla.kv.accounting import cache_nbytes, kv_elements_per_token

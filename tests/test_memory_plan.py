@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla.conversion import shapes
+from mla import shapes
 from mla.errors import UserError
+from mla.study.memory_check import memory_errors
 from mla.training import memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,13 +360,13 @@ def _paper():
 def test_paper_config_jobs_fit_80gb():
     cfg = _paper()
     assert cfg["train"]["gpu_memory_gb"] == 80
-    assert memory.memory_errors(cfg) == []
+    assert memory_errors(cfg) == []
 
 
 def test_memory_errors_names_the_numbers_and_the_setting(tmp_path, capsys, monkeypatch):
     cfg = _paper()
     cfg["experiments"]["mha2mla"]["train"]["micro_batch_size"] = 16
-    errors = memory.memory_errors(cfg)
+    errors = memory_errors(cfg)
     assert len(errors) == 1
     key, message = errors[0]
     assert key == "experiments.mha2mla.train.micro_batch_size"
@@ -377,16 +378,16 @@ def test_memory_errors_names_the_numbers_and_the_setting(tmp_path, capsys, monke
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)   # no Hub here: fail fast
     cfg["models"]["llama2-7b"]["repo_id"] = "someone/unknown-model"
-    assert memory.memory_errors(cfg, results=tmp_path) == []
+    assert memory_errors(cfg, results=tmp_path) == []
     assert "no config.json at hand for model 'llama2-7b'" in capsys.readouterr().err
     # a downloaded model's config.json is preferred to any named shape: at 4 x 4096 the 7B shape needs 135 GB,
     # a 135M-shaped download fits
     cfg = _paper()
     cfg["experiments"]["mha2mla"]["train"]["micro_batch_size"] = 4
-    assert [k for k, _ in memory.memory_errors(cfg, results=tmp_path)] == ["train.gradient_checkpointing"]
+    assert [k for k, _ in memory_errors(cfg, results=tmp_path)] == ["train.gradient_checkpointing"]
     (tmp_path / "models/llama2-7b").mkdir(parents=True)
     (tmp_path / "models/llama2-7b/config.json").write_text(json.dumps(shapes.read_config("smollm-135m")))
-    assert memory.memory_errors(cfg, results=tmp_path) == []
+    assert memory_errors(cfg, results=tmp_path) == []
 
 
 def test_snakemake_stops_an_oversized_paper_job(tmp_path):

@@ -1,4 +1,4 @@
-"""MLflow browsing: runs logged the way the project logs them (mla.study.tracking) are visible in the
+"""MLflow browsing: runs logged the way the project logs them (mla.tracking) are visible in the
 MLflow web UI, loaded by headless Chromium from a real `mlflow server` on 127.0.0.1."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ RUNS = {"gqa2mla-dkv8-smoke": 8, "gqa2mla-baseline-smoke": None}
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A sqlite store with two runs of one experiment, each with a 20-step loss history."""
-    from mla.study import tracking
+    from mla import tracking
 
     folder = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{folder}/mlflow.db"

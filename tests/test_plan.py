@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mla.conversion import shapes
+from mla import shapes
 from mla.conversion.convert import count_parameters, resolve_options
 from mla.errors import UserError
 from mla.tiny_models import tiny_llama

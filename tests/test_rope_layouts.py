@@ -16,7 +16,8 @@ import torch
 import yaml
 
 from mla.cli import main as mla_main
-from mla.conversion import calibrate, rotation, shapes
+from mla import shapes
+from mla.conversion import calibrate, rotation
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.conversion.layout import LayoutError, resolve
 from mla.kv.accounting import cache_nbytes, kv_elements_per_token
@@ -469,7 +470,8 @@ def test_rotated_rope_loses_less_than_per_head_2norm_on_smollm2(smollm2_dir):
     from pydoc_data.topics import topics
 
     from mla.checkpoint import load_model, load_tokenizer
-    from mla.evaluation.perplexity import mean_and_stderr, per_block_losses
+    from mla.perplexity import per_block_losses
+    from mla.stats import mean_and_stderr
 
     model, tok = load_model(smollm2_dir), load_tokenizer(smollm2_dir)
     keys = sorted(topics)

@@ -351,10 +351,10 @@ def test_a_run_cut_by_its_time_limit_resumes_in_the_next_submission(cluster, tmp
     prof["set-resources"]["finetune"].pop("runtime")
     (tmp_path / "profile-planned").mkdir()
     (tmp_path / "profile-planned/config.yaml").write_text(yaml.safe_dump(prof))
+    from mla.study import budgets
     from mla.study.config_schema import validated
-    from mla.training import walltime
 
-    plan = walltime.variant_plan(validated(config), v)
+    plan = budgets.variant_plan(validated(config), v)
     assert (plan.jobs, plan.retries) == (1, 1)                # one job planned, one spare submission
 
     before = set(squeue_jobs(env))

@@ -259,7 +259,8 @@ def test_the_config_file_the_verbs_read_keeps_the_order_and_is_written_once(tmp_
 def test_the_recovery_ablation_adds_one_method_per_variant_at_one_cache_width():
     """configs/ablation-recovery.yaml: every converted variant caches the 72 elements per token and layer of
     d_kv 16 + r 4 for SmolLM's 3 K/V heads, and each differs from the one before in the method it adds."""
-    from mla.conversion import layout, shapes
+    from mla import shapes
+    from mla.conversion import layout
 
     study = experiments.Study(config_of("configs/ablation-recovery.yaml"))
     vs = study.experiment("ablation-recovery")
@@ -283,7 +284,8 @@ def test_paper_plus_overlays_the_papers_experiments_at_the_same_cache_widths():
     """configs/paper-plus.yaml merged after configs/paper.yaml (Snakemake merges key by key): the paper's two
     experiments stay as they are, and two more convert the same models at the same cached widths with rotated
     RoPE, activation-aware SVD and a layer fit."""
-    from mla.conversion import layout, shapes
+    from mla import shapes
+    from mla.conversion import layout
 
     paper = yaml.safe_load((ROOT / "configs/paper.yaml").read_text())
     overlay = yaml.safe_load((ROOT / "configs/paper-plus.yaml").read_text())

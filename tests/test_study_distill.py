@@ -74,7 +74,8 @@ def test_a_variant_can_distil_alone():
 
 
 def test_the_recipe_becomes_mla_train_flags():
-    from mla.training.config import parse_options, workflow_options
+    from mla.study.train_options import workflow_options
+    from mla.training.config import parse_options
 
     cfg = smoke()
     cfg["train"].update(distill={"weight": 0.5, "temperature": 2}, trainable="attention")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla.study import tracking
+from mla import tracking
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,9 @@
 """`mla calibrate`: 2-norm scores of every RoPE frequency pair, from token blocks of the training data."""
 
+from mla import atomic, checkpoint, devices
+from mla import data as data_folder  # open_blocks looked up when called: tests stand in for it
+from mla.errors import UserError
+
 HELP = ("compute 2-norm partial-RoPE scores (mean ‖q‖·‖k‖ per pair, per layer and KV head) for a model, with the "
         "keys' pair covariances across K/V heads that the rotated strategy needs")
 
@@ -32,18 +36,15 @@ def add_arguments(p):
 
 
 def run(args):
-    from mla import checkpoint, devices
-    from mla.conversion import calibrate
-    from mla.errors import UserError
+    from mla.conversion import calibrate  # lazy: torch; keeps `mla --help` fast
 
     if args.samples <= 0:
         raise UserError(f"--samples must be positive, got {args.samples}")
     if args.heldout_samples < 0:
         raise UserError(f"--heldout-samples must be 0 or more, got {args.heldout_samples}")
     device = devices.resolve_device(args.device, config_key="calibrate.device")   # before any loading
-    from mla.data import open_blocks
 
-    blocks = open_blocks(args.data, args.split)
+    blocks = data_folder.open_blocks(args.data, args.split)
     if len(blocks) == 0:
         raise UserError(f"{args.data} holds no {args.split} blocks")
     n = min(args.samples, len(blocks))
@@ -80,7 +81,6 @@ def _save_atomically(obj: dict, path: str):
     """torch.save through mla.atomic: a killed job leaves no half-written file."""
     import torch
 
-    from mla import atomic
 
     with atomic.staged(path) as tmp:
         torch.save(obj, tmp)
@@ -89,12 +89,11 @@ def _save_atomically(obj: dict, path: str):
 
 def _write_covariances(args, model, result: dict, batch_size: int) -> None:
     """The covariance file: fit (the calibration blocks) and held-out (validation blocks) second moments."""
-    from mla.conversion import calibrate
-    from mla.data import open_blocks
+    from mla.conversion import calibrate  # lazy: torch; keeps `mla --help` fast
 
     heldout, heldout_tokens = None, 0
     if args.heldout_samples:
-        valid = open_blocks(args.data, "validation")
+        valid = data_folder.open_blocks(args.data, "validation")
         m = min(args.heldout_samples, len(valid))
         if m:
             held = calibrate.calibration_pass(model, (valid[i] for i in range(m)), batch_size=batch_size,

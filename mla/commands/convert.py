@@ -1,6 +1,6 @@
 """`mla convert`: MHA/GQA checkpoint -> MLA checkpoint (+ conversion.json)."""
 
-from mla.study.options import (
+from mla.options import (
     DEFAULT_LATENT,
     DEFAULT_ROPE_STRATEGY,
     DEFAULT_SVD,
@@ -44,7 +44,7 @@ def add_arguments(p):
 
 
 def run(args):
-    from mla.conversion import convert
+    from mla.conversion import convert  # lazy: torch; keeps `mla --help` fast
 
     report = convert.convert_checkpoint(args.model, args.out, d_kv=args.d_kv, r=args.r,
                                         strategy=args.rope_strategy, scores_path=args.scores, svd=args.svd,

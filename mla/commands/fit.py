@@ -1,7 +1,8 @@
 """`mla fit`: train each converted attention layer to reproduce the original layer's outputs (layer-wise
 fitting, teacher-forced; mla/conversion/fit.py) and write the fitted MLA checkpoint (+ fit.json)."""
 
-from mla.study.options import FIT_DEFAULTS
+from mla.errors import UserError
+from mla.options import FIT_DEFAULTS
 
 HELP = "fit each converted attention layer to the original layer's attention outputs, layer by layer"
 
@@ -27,14 +28,12 @@ def add_arguments(p):
 
 
 def run(args):
-    from mla.errors import UserError
-
     for flag in ("steps", "blocks", "batch", "heldout"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if not args.lr > 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
-    from mla.conversion import fit
+    from mla.conversion import fit  # lazy: torch; keeps `mla --help` fast
 
     settings = fit.FitSettings(steps=args.steps, lr=args.lr, blocks=args.blocks, batch=args.batch,
                                heldout=args.heldout, seed=args.seed)

@@ -2,7 +2,11 @@
 latent per layer), or with --train the per-GPU memory of a training job (model states per ZeRO stage,
 activations, buffers), from the config alone."""
 
-from mla.study.options import DEFAULT_LATENT, LATENT_LAYOUTS, ROPE_STRATEGIES
+from mla import shapes
+from mla.conversion import layout as layouts
+from mla.errors import UserError
+from mla.options import DEFAULT_LATENT, LATENT_LAYOUTS, ROPE_STRATEGIES
+from mla.training.memory import parse_memory, plan_training, teacher_parameters
 
 HELP = ("print parameter counts and KV-cache size before/after conversion, or (--train) the per-GPU memory of "
         "a training job, as JSON, without loading weights")
@@ -56,8 +60,6 @@ def add_arguments(p):
 def run(args):
     import json
 
-    from mla.conversion import shapes
-    from mla.errors import UserError
 
     config = shapes.read_config(args.base)
     if args.train:
@@ -68,7 +70,6 @@ def run(args):
     if args.trainable != "all":
         raise UserError("--trainable plans a training job: add --train")
 
-    from mla.conversion import layout as layouts
 
     s = shapes.shape_of(config)
     budget = dict(strategy=args.rope_strategy, svd=args.svd, latent=args.latent)
@@ -94,8 +95,7 @@ def run(args):
 def _quantized(s, layout, bits: int, group_size: int, scale_bytes: int) -> dict:
     """The converted cache per token at `bits`, against the original's 16-bit K and V (long-context limit:
     every token quantized, the full-precision window left out)."""
-    from mla.conversion import shapes
-    from mla.errors import UserError
+    # lazy: torch; keeps `mla --help` fast
     from mla.modeling.cache_mla import cached_widths, check_quantization, quantized_bytes_per_token
 
     rows = cached_widths(layout.kv_lora_rank, layout.rope_dims)
@@ -118,8 +118,6 @@ def _quantized(s, layout, bits: int, group_size: int, scale_bytes: int) -> dict:
 def _run_train(args, config) -> int:
     import json
 
-    from mla.errors import UserError
-    from mla.training.memory import parse_memory, plan_training
 
     for flag in ("nproc", "micro_batch", "seq"):
         if getattr(args, flag) is None:
@@ -129,16 +127,13 @@ def _run_train(args, config) -> int:
     d_kv = args.d_kv[0] if args.d_kv else None
     r = args.r
     if d_kv is not None:   # the same checks as the conversion (family, rank, r range)
-        from mla.conversion import convert
+        from mla.conversion import convert  # lazy: torch; keeps `mla --help` fast
 
         r, _ = convert.resolve_options(config, d_kv, r, "high", args.svd)
     elif r is not None:
         raise UserError("--r needs --d-kv (it plans the converted model)")
     teacher_params = None
     if args.teacher is not None:
-        from mla.conversion import shapes
-        from mla.training.memory import teacher_parameters
-
         teacher_params = teacher_parameters(shapes.read_config(args.teacher) if args.teacher else config)
     plan = plan_training(config, nproc=args.nproc, nodes=args.nodes, micro_batch=args.micro_batch, seq=args.seq,
                          zero_stage=args.zero_stage, gradient_checkpointing=args.gradient_checkpointing,

@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mla.commands.report_args import Ordered, add_source_arguments, add_summary_arguments, log_summary_artifacts
+from mla.errors import UserError
+from mla.specfile import read_mapping
+from mla.study import config_file, figures, reports
+
 HELP = "draw loss-vs-step figures (MHA2MLA / GQA2MLA panels) from training metrics.csv files."
 
 EPILOG = """\
@@ -35,39 +40,23 @@ Writes OUT.png and OUT.pdf.
 """
 
 
-class _Ordered(argparse.Action):
-    """Keeps --panel/--kind/--run in command-line order so runs attach to the preceding panel."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        items = getattr(namespace, "items", None) or []
-        items.append((self.dest, values))
-        namespace.items = items
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = EPILOG
-    p.add_argument("--out", required=True, help="output path stem; writes OUT.png and OUT.pdf")
-    p.add_argument("--spec", help="JSON/YAML panel spec (instead of --panel/--kind/--run)")
-    p.add_argument("--config", help="workflow config (YAML): one panel per experiment")
-    p.add_argument("--panel", action=_Ordered, metavar="TITLE", help="start a panel titled TITLE (model name)")
-    p.add_argument("--kind", action=_Ordered, metavar="MHA|GQA", help="architecture of the panel's source model")
-    p.add_argument("--run", action=_Ordered, metavar="D_KV=PATH|baseline=PATH|NAME=PATH",
+    add_source_arguments(p, EPILOG, out="output path stem; writes OUT.png and OUT.pdf",
+                         spec="JSON/YAML panel spec (instead of --panel/--kind/--run)",
+                         config="workflow config (YAML): one panel per experiment")
+    p.add_argument("--panel", action=Ordered, metavar="TITLE", help="start a panel titled TITLE (model name)")
+    p.add_argument("--kind", action=Ordered, metavar="MHA|GQA", help="architecture of the panel's source model")
+    p.add_argument("--run", action=Ordered, metavar="D_KV=PATH|baseline=PATH|NAME=PATH",
                    help="a run of the current panel")
-    p.add_argument("--label", action=_Ordered, metavar="TEXT", help="legend label of the run before it")
-    p.add_argument("--conversion", action=_Ordered, metavar="JSON",
+    p.add_argument("--label", action=Ordered, metavar="TEXT", help="legend label of the run before it")
+    p.add_argument("--conversion", action=Ordered, metavar="JSON",
                    help="conversion.json of the run before it: its KV saving goes into the legend")
     p.add_argument("--smoothing", type=float, default=0.9,
                    help="EMA weight of the smoothed curve in [0, 1) (default 0.9)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI: log the figure to a summary run")
-    p.add_argument("--experiment", help="MLflow experiment of the summary run (with --tracking-uri)")
-    p.add_argument("--summary-run", default="summary", help="name of the summary run (default: summary)")
-    p.set_defaults(items=[])
+    add_summary_arguments(p, "the figure")
 
 
 def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
-    from mla.errors import UserError
-
     panels: list[dict] = []
     for key, value in items:
         if key == "panel":
@@ -96,9 +85,6 @@ def panels_from_items(items: list[tuple[str, str]]) -> list[dict]:
 
 
 def load_spec(path: str) -> list[dict]:
-    from mla.errors import UserError
-    from mla.specfile import read_mapping
-
     p = Path(path)
     data = read_mapping(p, "--spec file")
     if not isinstance(data.get("panels"), list):
@@ -110,24 +96,10 @@ def load_spec(path: str) -> list[dict]:
     return data["panels"]
 
 
-def log_summary_artifacts(tracking_uri: str, experiment: str, run_name: str, paths: list[Path]) -> None:
-    """Attach figures/tables to an experiment-level summary run (mla/study/tracking.py)."""
-    from mla.study import tracking
-
-    run_id = tracking.get_or_create_run(tracking_uri, experiment, run_name, tags={"variant": "summary"})
-    tracking.log_artifacts(run_id, [str(p) for p in paths], tracking_uri=tracking_uri)
-    tracking.set_terminated(run_id, tracking_uri=tracking_uri)
-
-
 def run(args) -> int:
-    from mla.errors import UserError
-    from mla.study.figures import FigureInputError, loss_figure, panel_from_dict, save_figure
-
     if sum(map(bool, (args.spec, args.items, args.config))) > 1:
         raise UserError("give one of --spec, --config or --panel/--kind/--run")
     if args.config:
-        from mla.study import config_file, reports
-
         cfg = config_file.load(args.config)
         specs = reports.figure_panels(cfg)
         args.tracking_uri = args.tracking_uri or cfg["mlflow"]["tracking_uri"]
@@ -137,11 +109,11 @@ def run(args) -> int:
     if not specs:
         raise UserError("nothing to plot: give --spec FILE or at least one --panel with --run")
     try:
-        panels = [panel_from_dict(s) for s in specs]
-        fig = loss_figure(panels, smoothing=args.smoothing)
-    except FigureInputError as exc:
+        panels = [figures.panel_from_dict(s) for s in specs]
+        fig = figures.loss_figure(panels, smoothing=args.smoothing)
+    except figures.FigureInputError as exc:
         raise UserError(str(exc)) from None
-    paths = save_figure(fig, args.out)
+    paths = figures.save_figure(fig, args.out)
     for path in paths:
         print(path)
     if args.tracking_uri:

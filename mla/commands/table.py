@@ -6,7 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from mla.commands.plot import _Ordered
+from mla import tracking
+from mla.commands.report_args import Ordered, add_source_arguments, add_summary_arguments, log_summary_artifacts
+from mla.errors import UserError
+from mla.specfile import read_mapping
+from mla.study import config_file, paper_numbers, reports
 
 HELP = "tabulate an experiment's variants (KV memory, params, loss, perplexity, scores, speed) vs the paper."
 
@@ -38,39 +42,32 @@ Writes OUT.csv and OUT.md.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = EPILOG
-    p.add_argument("--out", required=True, help="output path stem; writes OUT.csv and OUT.md")
-    p.add_argument("--spec", help="JSON/YAML experiment spec (instead of --variant ...)")
-    p.add_argument("--config", help="workflow config (YAML): tabulate its experiment --study NAME")
+    add_source_arguments(p, EPILOG, out="output path stem; writes OUT.csv and OUT.md",
+                         spec="JSON/YAML experiment spec (instead of --variant ...)",
+                         config="workflow config (YAML): tabulate its experiment --study NAME")
     p.add_argument("--title", help="table title (default: the model name)")
     p.add_argument("--model", help="name of the source model (e.g. SmolLM2-135M)")
     p.add_argument("--paper-model", help="paper Table 1 model to compare with, or 'none'")
-    p.add_argument("--variant", action=_Ordered, metavar="NAME", help="start a variant")
-    p.add_argument("--d-kv", dest="d_kv", action=_Ordered, metavar="N", help="latent size per KV head")
-    p.add_argument("--eval", action=_Ordered, metavar="JSON", help="evaluation JSON of `mla evaluate`")
-    p.add_argument("--inference", action=_Ordered, metavar="JSON",
+    p.add_argument("--variant", action=Ordered, metavar="NAME", help="start a variant")
+    p.add_argument("--d-kv", dest="d_kv", action=Ordered, metavar="N", help="latent size per KV head")
+    p.add_argument("--eval", action=Ordered, metavar="JSON", help="evaluation JSON of `mla evaluate`")
+    p.add_argument("--inference", action=Ordered, metavar="JSON",
                    help="inference measurements of `mla evaluate --part inference` (optional)")
-    p.add_argument("--conversion", action=_Ordered, metavar="JSON", help="conversion.json of `mla convert`")
-    p.add_argument("--metrics", action=_Ordered, metavar="CSV", help="training metrics.csv")
-    p.add_argument("--label", action=_Ordered, metavar="TEXT", help="the variant's legend label (a table column)")
-    p.add_argument("--paper-row", dest="paper_row", action=_Ordered, metavar="KEY",
+    p.add_argument("--conversion", action=Ordered, metavar="JSON", help="conversion.json of `mla convert`")
+    p.add_argument("--metrics", action=Ordered, metavar="CSV", help="training metrics.csv")
+    p.add_argument("--label", action=Ordered, metavar="TEXT", help="the variant's legend label (a table column)")
+    p.add_argument("--paper-row", dest="paper_row", action=Ordered, metavar="KEY",
                    help="the paper's row beside it: a d_kv, original, baseline, an ablation key such as "
                         "S_high or S_2-norm+SVD_split, or none (default: by name and d_kv)")
-    p.add_argument("--run-json", dest="run_json", action=_Ordered, metavar="JSON",
+    p.add_argument("--run-json", dest="run_json", action=Ordered, metavar="JSON",
                    help="run.json of the variant's training run: with --tracking-uri and --study its MLflow run "
                         "is tagged study.<STUDY> = label")
     p.add_argument("--study", help="name of this table's experiment (the config's): the table of --config, and "
                                    "the runs' tags")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI: log the table to a summary run")
-    p.add_argument("--experiment", help="MLflow experiment of the summary run (with --tracking-uri)")
-    p.add_argument("--summary-run", default="summary", help="name of the summary run (default: summary)")
-    p.set_defaults(items=[])
+    add_summary_arguments(p, "the table")
 
 
 def variants_from_items(items) -> list[dict]:
-    from mla.errors import UserError
-
     variants: list[dict] = []
     for key, value in items:
         if key == "variant":
@@ -85,9 +82,6 @@ def variants_from_items(items) -> list[dict]:
 
 
 def load_spec(path: str) -> dict:
-    from mla.errors import UserError
-    from mla.specfile import read_mapping
-
     p = Path(path)
     data = read_mapping(p, "--spec file")
     if not isinstance(data.get("variants"), list):
@@ -101,9 +95,6 @@ def load_spec(path: str) -> dict:
 
 def _paper_key(key: str, paper_model: str | None, variant: str | None):
     """--paper-row KEY as paper_numbers knows it (int d_kv, name) or None; an unknown key is an error."""
-    from mla.errors import UserError
-    from mla.study import paper_numbers
-
     if key.lower() == "none" or paper_model is None:
         return None
     value = int(key) if key.isdigit() else key
@@ -114,8 +105,7 @@ def _paper_key(key: str, paper_model: str | None, variant: str | None):
 
 
 def run(args) -> int:
-    from mla.errors import UserError
-    from mla.study import paper_numbers
+    # lazy: pandas; keeps `mla --help` fast
     from mla.study.tables import AUTO, MMLU_CLOZE, TableInputError, Variant, build_table, table_notes, write_table
 
     if sum(map(bool, (args.spec, args.items, args.config))) > 1:
@@ -161,7 +151,6 @@ def run(args) -> int:
     if args.tracking_uri:
         if not args.experiment:
             raise UserError("--tracking-uri needs --experiment")
-        from mla.commands.plot import log_summary_artifacts
 
         log_summary_artifacts(args.tracking_uri, args.experiment, args.summary_run, paths)
         if args.study:
@@ -171,9 +160,6 @@ def run(args) -> int:
 
 def _spec_from_config(args) -> dict:
     """The table of experiment --study of --config (mla.study.reports.table_spec); MLflow from the config."""
-    from mla.errors import UserError
-    from mla.study import config_file, reports
-
     cfg = config_file.load(args.config)
     if args.study not in cfg["experiments"]:
         raise UserError(f"--study {args.study!r}: not an experiment of {args.config} "
@@ -185,8 +171,6 @@ def _spec_from_config(args) -> dict:
 
 def tag_runs(tracking_uri: str, study: str, variants: list[dict]) -> None:
     """Tag each variant's (possibly shared) training run with the experiment and label it appears under."""
-    from mla.study import tracking
-
     for v in variants:
         if not v.get("run_json"):
             continue

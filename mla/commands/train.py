@@ -8,6 +8,17 @@ import os
 import sys
 from pathlib import Path
 
+from mla.tracking import is_rank_zero
+from mla.training import launch
+from mla.training.config import (
+    check_accumulation,
+    check_inputs,
+    option_parser,
+    parse_options,
+    resolved_precision,
+    use_cuda,
+)
+
 HELP = "fine-tune a checkpoint (MLA or baseline) with Trainer + DeepSpeed ZeRO; resumes from --checkpoint-dir"
 
 EPILOG = """\
@@ -24,8 +35,6 @@ resumes from the newest checkpoint. On CPU: fp32, gloo, torch AdamW; --nproc N r
 
 def parents() -> list:
     """The options, one per field of mla.training.config.TrainConfig."""
-    from mla.training.config import option_parser
-
     return [option_parser()]
 
 
@@ -35,9 +44,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from mla.training import launch
-    from mla.training.config import check_accumulation, check_inputs, parse_options, resolved_precision, use_cuda
-
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else None
     cfg = parse_options(args.verb_args, world)
     cuda = use_cuda(cfg)  # --device cuda without CUDA: one line, before anything is loaded
@@ -62,7 +68,7 @@ def run(args) -> int:
     if rc == 0:
         rc = _stopped_for_time_limit(cfg)
     if rc == 0 and managed:  # the run is complete: its checkpoints (GBs of fp32 + Adam states) go
-        from mla.training.resume import remove_after_success
+        from mla.training.resume import remove_after_success  # lazy: torch; keeps `mla --help` fast
 
         remove_after_success(cfg.checkpoint_dir)
     return rc
@@ -70,7 +76,7 @@ def run(args) -> int:
 
 def _stopped_for_time_limit(cfg) -> int:
     """EXIT_STOPPED when the run stopped with a checkpoint before its SLURM job's time limit, else 0."""
-    from mla.training.timelimit import EXIT_STOPPED, stopped_step
+    from mla.training.timelimit import EXIT_STOPPED, stopped_step  # lazy: torch; keeps `mla --help` fast
 
     step = stopped_step(cfg.checkpoint_dir)
     if step is None:
@@ -82,8 +88,7 @@ def _stopped_for_time_limit(cfg) -> int:
 
 def _keyed_checkpoint_dir(cfg, manifest: dict, cuda: bool) -> None:
     """--checkpoint-root: the resume folder is ROOT/<trajectory key> (mla.training.resume)."""
-    from mla.training.config import resolved_precision
-    from mla.training.resume import checkpoint_folder, trajectory
+    from mla.training.resume import checkpoint_folder, trajectory  # lazy: torch; keeps `mla --help` fast
 
     doc = trajectory(cfg, manifest, resolved_precision(cfg, cuda))
     cfg.checkpoint_dir = str(checkpoint_folder(cfg.checkpoint_root, doc, log=lambda m: print(m, file=sys.stderr)))
@@ -91,7 +96,7 @@ def _keyed_checkpoint_dir(cfg, manifest: dict, cuda: bool) -> None:
 
 def _check_resume(cfg) -> None:
     """A checkpoint written by another number of ranks or ZeRO stage: converted or refused, in one line."""
-    from mla.training.resume import prepare_resume
+    from mla.training.resume import prepare_resume  # lazy: torch; keeps `mla --help` fast
 
     prepare_resume(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
 
@@ -108,14 +113,11 @@ def _write_launch_config(cfg) -> Path:
 
 
 def _train_here(cfg, manifest: dict, cuda: bool) -> int:
-    from mla.training import launch
-
     launch.prepare_environment(cuda)
     if not cuda:
         launch.skip_shm_build()
 
-    from mla.study.tracking import is_rank_zero
-    from mla.training.trainer import run_training
+    from mla.training.trainer import run_training  # lazy: torch; keeps `mla --help` fast
 
     info = run_training(cfg, manifest)
     if is_rank_zero() and "stopped_at_step" not in info:

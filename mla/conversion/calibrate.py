@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mla.conversion.rotation import pair_second_moment
+
 MAX_AUTO_BATCH = 64        # beyond this a forward pass gains nothing but a larger memory spike
 MEMORY_FRACTION = 0.7      # of the free memory: allocator slack, fragmentation, other processes
 
@@ -111,8 +113,6 @@ def calibration_pass(model, blocks, batch_size: int = 2, scores: bool = True, co
     "tokens"}. With the scores come "query_pair_norms" [L, n_h, d_h/2] (mean ‖q_h^[k]‖ per query head) and
     "pair_covariance" [L, d_h/2, n_kv, n_kv] (E_t[K_k K_kᵀ]), for the rotated strategy. Batches go to the
     model's device."""
-    from mla.conversion.rotation import pair_second_moment
-
     cfg = model.config
     head_dim = _head_dim(cfg)
     device = next(model.parameters()).device

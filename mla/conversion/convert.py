@@ -20,20 +20,16 @@ from pathlib import Path
 
 import torch
 
+from mla import atomic, checkpoint, shapes
 from mla.conversion import layout as layouts
-from mla.conversion import lowrank, partial_rope, rotation, shapes
+from mla.conversion import lowrank, partial_rope, rotation
 from mla.errors import UserError
-from mla.study.options import (
-    CALIBRATED_ROPE_STRATEGIES,
-    DEFAULT_LATENT,
-    DEFAULT_ROPE_STRATEGY,
-    DEFAULT_SVD,
-)
+from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
 
 def _mla_config(src_config, kv_lora_rank: int, pairs: list, split: bool, provenance: dict,
                 rope_layout: str = "per_head", latent: str = DEFAULT_LATENT):
-    from mla.modeling import MLAConfig
+    from mla.modeling import MLAConfig  # lazy: transformers; the GPU memory check reads this module at parse
 
     allowed = {f.name for f in fields(MLAConfig)}
     values = {k: v for k, v in src_config.to_dict().items() if k in allowed}
@@ -235,7 +231,7 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
     """
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from mla.modeling import MLAForCausalLM
+    from mla.modeling import MLAForCausalLM  # lazy: transformers, as above
 
     src_cfg = model.config
     cfg_dict = src_cfg.to_dict()
@@ -345,8 +341,6 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
     `whiten_path`: covariances to fit the SVD to (activation-aware); `covariance_path`: covariances used
     only to report output errors of the plain SVD.
     """
-    from mla import atomic, checkpoint
-
     src, out = checkpoint.require_checkpoint(src), Path(out)
     config = shapes.read_config(src)
     budget = dict(latent=latent, kv_width=kv_width, rope_share=rope_share)

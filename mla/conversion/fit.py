@@ -45,8 +45,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mla import atomic, checkpoint, devices, shapes
 from mla.conversion import lowrank
-from mla.study.options import FIT_DEFAULTS
+from mla.data import open_blocks
+from mla.errors import UserError
+from mla.options import FIT_DEFAULTS
+from mla.perplexity import perplexity
+from mla.stats import evenly_spaced, mean_and_stderr
 
 ERROR_DEFINITION = ("relative output error of a layer's attention = Σ‖ŷ − y‖² / Σ‖y‖² over the held-out blocks' "
                     "tokens, y the source layer's attention output on the source hidden states (teacher-forced), "
@@ -216,8 +221,6 @@ class FitProgress:
             shutil.rmtree(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         if not stamp.is_file():
-            from mla import atomic
-
             atomic.write_json(stamp, wanted)
 
     def _path(self, layer: int) -> Path:
@@ -237,7 +240,6 @@ class FitProgress:
         if self.folder is None:
             self._memory[layer] = record
             return
-        from mla import atomic
 
         with atomic.staged(self._path(layer)) as tmp:
             torch.save(record, tmp)
@@ -267,16 +269,12 @@ def _as_ids(blocks) -> torch.Tensor:
 
 
 def _paired_change(before: list[float], after: list[float]) -> dict:
-    from mla.evaluation.perplexity import mean_and_stderr
-
     mean, se = mean_and_stderr(np.asarray(after) - np.asarray(before))
     return {"mean": mean, "stderr": se, "blocks": len(before), "stderr_method": "paired: SE of per-block differences"}
 
 
 def heldout_loss(model, blocks, batch: int) -> dict:
     """Mean held-out loss ± SE of a causal LM on token blocks [N, T], with per-block losses."""
-    from mla.evaluation.perplexity import perplexity
-
     return perplexity(model, np.asarray(blocks, dtype=np.int64), batch_size=batch, per_block=True)
 
 
@@ -289,8 +287,6 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
     data folder by the settings). `progress` keeps finished layers (resume); the fitted fp32 weights are in
     it afterwards (`progress.load(i)["state"]`). `on_layer_done(i)` is called once layer i is kept.
     """
-    from mla import devices
-
     t_start = time.perf_counter()
     progress = progress or FitProgress()
     device, dtype = next(converted.parameters()).device, next(converted.parameters()).dtype
@@ -385,10 +381,6 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
 def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tuple[np.ndarray, np.ndarray]:
     """The fit's token blocks from a `mla data` folder: the first `settings.blocks` of the train split (as
     `mla calibrate` reads them) and `settings.heldout` validation blocks evenly spaced (as perplexity does)."""
-    from mla.data import open_blocks
-    from mla.errors import UserError
-    from mla.evaluation.perplexity import evenly_spaced
-
     if not Path(data_dir).is_dir():
         raise UserError(f"--data {data_dir}: no such folder (fitting needs training blocks from `mla data`)")
     train, valid = open_blocks(data_dir, "train"), open_blocks(data_dir, "validation")
@@ -419,8 +411,6 @@ def work_folder(out: str | Path) -> Path:
 
 def check_pair(source_config: dict, mla_config: dict, model: str | Path) -> None:
     """The converted checkpoint must be an MLA model of the source's shape."""
-    from mla.errors import UserError
-
     if "kv_lora_rank" not in mla_config or "mha2mla" not in mla_config:
         raise UserError(f"--model {model} is not an MLA checkpoint (its config.json has no kv_lora_rank); "
                         "give the output of `mla convert`")
@@ -436,9 +426,6 @@ def fit_checkpoint(source: str | Path, model: str | Path, data: str | Path, out:
     """Fit the MLA checkpoint `model` to its source checkpoint on blocks of `data`; write the fitted
     checkpoint (the converted one's files with every attention layer replaced, + conversion.json, fit.json)
     atomically to `out`. Finished layers persist in `work_folder(out)` until the output is complete."""
-    from mla import atomic, checkpoint, devices
-    from mla.conversion import shapes
-
     source, model, out = checkpoint.require_checkpoint(source), checkpoint.require_checkpoint(model), Path(out)
     check_pair(shapes.read_config(source), shapes.read_config(model), model)
     where = devices.resolve_device(device, config_key="calibrate.device")       # before any loading

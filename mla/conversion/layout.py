@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from mla.conversion import shapes
+from mla import shapes
 from mla.errors import UserError
-from mla.study.options import (
+from mla.options import (
     DEFAULT_LATENT,
     LATENT_LAYOUTS,
     ROPE_STRATEGIES,

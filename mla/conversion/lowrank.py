@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mla.study.options import DEFAULT_SVD
-from mla.study.options import SVD_METHODS as METHODS
+from mla.options import DEFAULT_SVD
+from mla.options import SVD_METHODS as METHODS
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.study.options import ROPE_STRATEGIES as STRATEGIES
+from mla.options import ROPE_STRATEGIES as STRATEGIES
 
 
 def check_r(r: int, head_dim: int) -> None:

@@ -40,7 +40,7 @@ from mla.data.tokenize import Doc, TokenizedStream, TokenizerPool, tokenizer_inf
 from mla.data.writer import SplitWriter
 from mla.errors import UserError
 from mla.sources import sha256_of
-from mla.study.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
+from mla.options import DEFAULT_VALIDATION_FRACTION, DEFAULT_VALIDATION_TOKENS
 
 CHECKPOINT_TOKENS = 1 << 26   # ~67M tokens between resume checkpoints (~190 for the paper's 12.6B)
 QUEUE_TOKENS = 1 << 20        # per source and split: documents read for the other split wait here

@@ -51,7 +51,7 @@ SMOLLM_MIXTURE = [
 # Offline stand-ins, from what every Python installs: prose for fineweb-edu (0.7: the docstrings of the
 # standard library and pydoc's topics, the language reference's sections) and code for python-edu (0.3: the
 # standard library's sources). A module's docstrings split with its source file (`split_as`): a held-out
-# module is held out whole, as prose and as code, which the local lm-eval task (mla/lm_eval_tasks) relies on.
+# module is held out whole, as prose and as code, which the local lm-eval task (mla/evaluation/lm_eval_tasks) relies on.
 # The prose weights follow the sources' sizes (SmolLM2's tokenizer: ~560k docstring and ~113k topic tokens).
 PYDOC_STDLIB = [
     Source("python-docstrings", 0.6, "python_docstrings", {"split_as": "python-stdlib"}),

@@ -79,3 +79,17 @@ def open_blocks(data_dir: str | os.PathLike, split: str = "train") -> np.ndarray
     if blocks.ndim != 2 or blocks.shape[1] != length:
         raise UserError(f"{data_dir}: {split} array has shape {blocks.shape}, manifest says block length {length}")
     return blocks
+
+
+def load_blocks(source: str | os.PathLike, split: str = "validation") -> np.ndarray:
+    """Token blocks [n, L] from a `mla data` folder (its `split`) or from a .npy file."""
+    p = Path(source)
+    if p.suffix == ".npy":
+        if not p.is_file():
+            raise UserError(f"token blocks file not found: {p}")
+        blocks = np.load(p, mmap_mode="r")
+    else:
+        blocks = open_blocks(p, split)
+    if blocks.ndim != 2 or blocks.shape[1] < 2:
+        raise UserError(f"{p}: expected token blocks of shape [n_blocks, block_length >= 2], got {blocks.shape}")
+    return blocks

@@ -1,12 +1,13 @@
 """Evaluation of a checkpoint: held-out perplexity, lm-eval benchmarks, KV-cache bytes, decode speed.
 
-Modules: `perplexity` (mean loss on token blocks, with its standard error across blocks), `harness`
+Modules: `harness`
 (lm-eval: our offline task, the paper's MMLU cloze and the paper's six tasks, from the Hub or from local
 files; accuracies with standard errors), `mmlu` (MMLU's test split from a PyPI wheel, stratified
 samples), `shared_context` (an lm-eval scorer that runs each multiple-choice context once and reuses its
 KV cache for every choice), `decode`
 (tokens/s of original vs MLA over a batch x context grid, beside the predicted S(B,T); points that cannot
-fit the device are skipped), `report` (one JSON per checkpoint, MLflow logging). The KV cache's bytes and
-quantized-cache losses are measured by mla.kv. Everything runs on the
+fit the device are skipped), `report` (one JSON per checkpoint, MLflow logging), and its own lm-eval tasks
+(`lm_eval_tasks`). The held-out loss with its standard error is mla.perplexity (the fit scores with it too);
+the KV cache's bytes and quantized-cache losses are measured by mla.kv. Everything runs on the
 model's device (`mla.devices`: CPU in fp32, or a GPU in bf16).
 """

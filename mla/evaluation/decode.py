@@ -28,6 +28,10 @@ import gc
 import statistics
 import time
 
+from mla import devices
+from mla.kv.accounting import kv_elements_per_token, quantized_cache_bytes
+from mla.kv.quantized import make_cache
+
 FIXED_MARGIN = 512 * 2 ** 20   # allocator slack and kernels' workspaces
 
 
@@ -60,8 +64,6 @@ def resident_bytes(model) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
-    from mla.kv.accounting import kv_elements_per_token
-
     return kv_elements_per_token(model.config) * next(model.parameters()).element_size()
 
 
@@ -125,8 +127,6 @@ def point_memory(model, original, batch: int, context: int, steps: int, warmup: 
     tokens = context + steps + warmup + 1
     caches = mla_caches * batch * tokens * kv_bytes_per_token(model)
     if quant is not None:
-        from mla.kv.accounting import quantized_cache_bytes
-
         caches += quantized_cache_bytes(model.config, batch=batch, tokens=tokens, nbits=quant.nbits,
                                         group_size=quant.group_size, residual=quant.residual,
                                         element_bytes=next(model.parameters()).element_size())
@@ -163,7 +163,6 @@ def filled_cache(model, batch: int, context: int, seed: int = 0, quant=None, cap
     per sequence, generated on the model's device in its dtype."""
     import torch
 
-    from mla.kv.quantized import make_cache
 
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
@@ -209,7 +208,6 @@ class _Stepper:
     def run(self, n: int, record: bool = True) -> None:
         import torch
 
-        from mla import devices
 
         if self.absorb is not None:
             self.model.config.absorb_decode = self.absorb
@@ -274,7 +272,6 @@ def decode_grid(model, grid: list[tuple[int, int]], *, steps: int = 8, warmup: i
     """
     import torch
 
-    from mla import devices
 
     device = next(model.parameters()).device
     free_memory = free_memory or (lambda: devices.free_memory_bytes(device))

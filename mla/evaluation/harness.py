@@ -1,8 +1,8 @@
 """Benchmark accuracy through EleutherAI's lm-eval harness, with the model object as an `HFLM`.
 
 Three task sets:
-  - the offline default `mla_stdlib_next_line` (mla/lm_eval_tasks): runs everywhere, no Hub;
-  - `mla_mmlu_cloze` (mla/lm_eval_tasks): MMLU exactly as the paper prompts it ("The following are
+  - the offline default `mla_stdlib_next_line` (mla/evaluation/lm_eval_tasks): runs everywhere, no Hub;
+  - `mla_mmlu_cloze` (mla/evaluation/lm_eval_tasks): MMLU exactly as the paper prompts it ("The following are
     questions about {topic}.\nQuestion: ...\nAnswer:", answer texts as choices, acc_norm) on a stratified
     sample of the test split from a PyPI wheel (no Hub), scored with the shared-context scorer
     (mla/evaluation/shared_context.py: each question's context runs once);
@@ -46,8 +46,10 @@ import random
 import socket
 from pathlib import Path
 
-from mla.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla.errors import UserError
+from mla.evaluation import mmlu
+from mla.evaluation.lm_eval_tasks import LOCAL_TASK, MMLU_TASK, TASKS_DIR
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 # paper column -> lm-eval task(s) whose acc_norm (acc where absent) make the column
 PAPER_TASKS = {
@@ -100,6 +102,7 @@ def run_tasks(model, tokenizer, tasks: list, *, include_path=None, include_defau
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    # lazy: lm_eval, torch; the workflow's parse reads EvalOptions
     from mla.evaluation.shared_context import SharedContextLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
@@ -161,7 +164,6 @@ def mmlu_cloze(model, tokenizer, *, num_questions: int | None, seed: int = 1234,
     """
     import time
 
-    from mla.evaluation import mmlu
 
     t0 = time.perf_counter()
     mmlu.load_questions()           # a clear one-line error (no PyPI, bad wheel) before lm-eval starts
@@ -278,8 +280,6 @@ def local_task_configs(root: str | Path, manager=None) -> list[dict]:
 def local_configs(root: str | Path, task_configs: dict[str, dict]) -> list[dict]:
     """These lm-eval task configs (name -> full config) reading their documents from `root`, in the layout
     of the module docstring; UserError naming the variable and the file when a scored split is missing."""
-    from mla.errors import UserError
-
     configs = []
     for name, cfg in task_configs.items():
         folder = local_data_folder(root, cfg)

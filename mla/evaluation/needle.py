@@ -23,6 +23,8 @@ import re
 import time
 
 from mla.errors import UserError
+from mla.evaluation.harness import mean_of_independent
+from mla.stats import mean_and_stderr
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -178,8 +180,6 @@ def needle_accuracy(model, tokenizer, *, lengths: list[int], samples: int, seed:
     answer, correct}]}}, "mean", "mean_stderr", "seconds"}.
     UserError when a length plus the generated tokens exceeds the model's max_position_embeddings.
     """
-    from mla.evaluation.harness import mean_of_independent
-
     if samples < 1:
         raise UserError(f"samples must be at least 1, got {samples}")
     if batch_size < 1:
@@ -257,14 +257,6 @@ def _key_scores(model, tokenizer, drawn: list[dict], batch_size: int) -> list[di
     return out
 
 
-def _mean_and_se(values: list[float]) -> tuple[float, float | None]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
 def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: int = 0,
                    batch_size: int = 8) -> dict:
     """The pass-key task teacher-forced: per length, `samples` prompts (draw_samples) with the true answer
@@ -277,8 +269,6 @@ def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: 
     over lengths, as independent estimates. Lengths beyond the model's positions are left out
     (`lengths_skipped`).
     """
-    from mla.evaluation.harness import mean_of_independent
-
     if samples < 1:
         raise UserError(f"samples must be at least 1, got {samples}")
     if not lengths:
@@ -289,7 +279,7 @@ def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: 
     for length in fitting:
         t0 = time.perf_counter()
         records = _key_scores(model, tokenizer, draw_samples(tokenizer, length, samples, seed), batch_size)
-        logprob, logprob_se = _mean_and_se([r["key_logprob"] for r in records])
+        logprob, logprob_se = mean_and_stderr([r["key_logprob"] for r in records])
         hits = sum(r["all_argmax"] for r in records)
         first = sum(r["first_argmax"] for r in records)
         per_length[length] = {"key_logprob": logprob, "key_logprob_stderr": logprob_se,

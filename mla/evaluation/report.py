@@ -42,7 +42,7 @@ says so in "status"/"reason" and carries no numbers:
     cpu_seconds  {stage: CPU seconds of the process, all threads (on a busy machine: what the stage costs)}
 
 Every accuracy and perplexity carries its standard error in a sibling `*_stderr` field (None where
-it cannot be estimated, e.g. from a single block); see perplexity.py and harness.py for the methods.
+it cannot be estimated, e.g. from a single block); see mla/perplexity.py and harness.py for the methods.
 """
 
 from __future__ import annotations
@@ -51,7 +51,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla import atomic, tracking
+from mla.checkpoint import load_model
+from mla.evaluation import harness, needle
+from mla.evaluation import longbench as longbench_
+from mla.kv.accounting import FULL_PRECISION_BITS
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 SCHEMA = "mla.evaluation/1"
 PARTS = ("quality", "inference", "all")
@@ -112,7 +117,7 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
     """Every requested measurement of `opts.part` of one loaded model, as the JSON-ready dict described above."""
     import torch
 
-    from mla.conversion.convert import count_parameters
+    from mla.conversion.convert import count_parameters  # lazy: torch; the workflow's parse reads EvalOptions
 
     cfg = model.config
     is_mla = getattr(cfg, "model_type", "") == "mla_llama"
@@ -145,14 +150,14 @@ def evaluate_model(model, tokenizer, opts: EvalOptions, *, checkpoint: str = "",
 
 def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """KV-cache bytes, held-out perplexity, the benchmarks, pass keys with the full-precision cache."""
-    from mla.evaluation import harness, needle, perplexity
+    from mla import perplexity  # lazy: numpy, torch; the workflow's parse reads EvalOptions
+    from mla.data import load_blocks
     from mla.kv import measure_bytes
-    from mla.kv.accounting import FULL_PRECISION_BITS
 
     result["kv_cache"] = stage("kv_cache", lambda: measure_bytes.measure_kv_bytes(
         model, batch=opts.kv_batch, prompt_len=opts.kv_prompt, new_tokens=opts.kv_new_tokens))
     if opts.blocks:
-        blocks = perplexity.load_blocks(opts.blocks, opts.split)
+        blocks = load_blocks(opts.blocks, opts.split)
         ppl = stage("perplexity", lambda: perplexity.perplexity(
             model, blocks, batch_size=opts.ppl_batch_size, max_blocks=opts.max_blocks))
         result["perplexity"] = {"source": str(opts.blocks),
@@ -185,14 +190,14 @@ def _quality(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> N
 
 def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) -> None:
     """Quantized caches (bytes, decoded losses, pass keys), LongBench, decode speed."""
-    from mla.evaluation import decode, perplexity
-    from mla.kv.accounting import FULL_PRECISION_BITS
+    from mla.data import load_blocks  # lazy: numpy, torch; the workflow's parse reads EvalOptions
+    from mla.evaluation import decode
 
     if opts.part == "inference":
         result["benchmarks"] = None
     if opts.kv_bits:
         result["kv_quant"] = stage("kv_quant", lambda: measure_kv_quant(
-            model, perplexity.load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
+            model, load_blocks(opts.blocks, opts.split) if opts.blocks else None, opts, log))
     quantized = sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True) if opts.needle_lengths else []
     if quantized or opts.longbench != "off":
         measured = stage("long_context", lambda: measure_long_context(
@@ -202,8 +207,6 @@ def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) ->
     if opts.decode_grid:
         original = None
         if opts.original:
-            from mla.checkpoint import load_model
-
             first = next(model.parameters())
             original = load_model(opts.original, dtype=first.dtype).to(first.device).eval()
         result["decode"] = stage("decode", lambda: decode.decode_grid(
@@ -213,8 +216,7 @@ def _inference(result: dict, model, tokenizer, opts: EvalOptions, log, stage) ->
 
 def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
     """Bytes held after generate at each quantized width, and (with held-out blocks) the decoded losses."""
-    from mla.kv import measure_bytes, quantized
-    from mla.kv.accounting import FULL_PRECISION_BITS
+    from mla.kv import measure_bytes, quantized  # lazy: numpy, torch; the workflow's parse reads EvalOptions
 
     out = {"group_size": opts.kv_group_size, "residual": opts.kv_residual, "bytes": {}}
     for b in sorted(set(opts.kv_bits) - {FULL_PRECISION_BITS}, reverse=True):
@@ -235,9 +237,7 @@ def measure_kv_quant(model, blocks, opts: EvalOptions, log) -> dict:
 def measure_long_context(model, tokenizer, opts: EvalOptions, log, widths: list[int], longbench: bool) -> dict:
     """Pass-key retrieval with the cache at each of `widths` (16 = full precision); LongBench when asked
     (and online)."""
-    from mla.evaluation import longbench as longbench_
-    from mla.evaluation import needle
-    from mla.kv import quantized
+    from mla.kv import quantized  # lazy: numpy, torch; the workflow's parse reads EvalOptions
 
     out = {"needle": None, "longbench": None}
     lengths = needle.fitting_lengths(model, opts.needle_lengths) if widths else []
@@ -276,8 +276,7 @@ def measure_long_context(model, tokenizer, opts: EvalOptions, log, widths: list[
 
 def _decode_quant(model, opts: EvalOptions):
     """The cache an MLA model is also timed with: 4 bits when measured, else the smallest width."""
-    from mla.kv import quantized
-    from mla.kv.accounting import FULL_PRECISION_BITS
+    from mla.kv import quantized  # lazy: numpy, torch; the workflow's parse reads EvalOptions
 
     widths = [b for b in opts.kv_bits if b != FULL_PRECISION_BITS]
     if not widths or not quantized.is_mla(model):
@@ -286,8 +285,6 @@ def _decode_quant(model, opts: EvalOptions):
 
 
 def write_json(result: dict, out: str | Path) -> Path:
-    from mla import atomic
-
     atomic.write_json(out, result)
     return Path(out)
 
@@ -354,8 +351,6 @@ def flat_metrics(result: dict) -> dict:
 def log_to_mlflow(result: dict, json_path: Path, *, tracking_uri: str | None, run_id: str | None = None,
                   experiment: str | None = None, run_name: str | None = None) -> str | None:
     """Log the scalar metrics and the JSON to the variant's run (found by id, or by experiment + name)."""
-    from mla.study import tracking
-
     opened = run_id is None
     if opened:
         run_id = tracking.get_or_create_run(tracking_uri, experiment, run_name,

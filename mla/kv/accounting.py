@@ -8,7 +8,7 @@ a scale; the newest `residual` tokens stay in full precision.
 
 from __future__ import annotations
 
-from mla.conversion import shapes
+from mla import shapes
 
 FULL_PRECISION_BITS = 16    # the paper's name for "not quantized" (the cache keeps the model's dtype)
 
@@ -55,6 +55,7 @@ def kv_elements_per_token(config) -> int:
 
 def quantized_bytes_per_token(config, nbits: int, group_size: int, scale_bytes: int) -> int:
     """Bytes per quantized token summed over layers, scales and zero points included."""
+    # lazy: torch; the workflow's parse checks cache widths
     from mla.modeling.cache_mla import quantized_bytes_per_token as row_bytes
 
     cfg = config if isinstance(config, dict) else config.to_dict()
@@ -70,53 +71,3 @@ def quantized_cache_bytes(config, *, batch: int, tokens: int, nbits: int, group_
     full = kv_elements_per_token(config) * element_bytes
     return batch * (window * full + (tokens - window) * quantized_bytes_per_token(config, nbits, group_size,
                                                                                      element_bytes))
-
-
-def group_size_for(evaluate: dict, model: str) -> int:
-    """`evaluate.kv_group_size` for one model: an integer, or a mapping of model keys (with `default`)."""
-    size = evaluate["kv_group_size"]
-    return size if isinstance(size, int) else size.get(model, size.get("default", 64))
-
-
-def workflow_errors(config: dict, results: str = "results") -> list[tuple[str, str]]:
-    """(config key, message) for each variant whose cached rows `evaluate.kv_group_size` does not divide,
-    found at parse time rather than in an evaluation job after its training (arithmetic only: the same
-    rule as mla/modeling/cache_mla.check_quantization, without importing torch)."""
-    from mla.conversion.layout import resolve
-    from mla.study import experiments
-    from mla.training.memory import model_config
-
-    e = config["evaluate"]
-    bits = [b for b in e["kv_bits"] if b != FULL_PRECISION_BITS]
-    if not bits:
-        return []
-    errors, seen, configs = [], set(), {}
-    for v in experiments.all_variants(config):
-        if v.model not in configs:
-            configs[v.model] = model_config(config, v.model, results)
-        cfg = configs[v.model]
-        if cfg is None:           # shape unknown before download: the evaluation job checks it
-            continue
-        s = shapes.shape_of(cfg)
-        group = group_size_for(e, v.model)
-        key = "evaluate.kv_group_size" + ("" if isinstance(e["kv_group_size"], int) else f".{v.model}")
-        if (s.kv_heads * s.head_dim) % group:   # the original's and baseline's cache: quanto's groups of a token
-            errors.append((key, f"{group} does not divide the {s.kv_heads * s.head_dim} key channels per token "
-                                f"(n_kv·d_h) of {v.model}, which its original and baseline caches quantize"))
-        if v.is_baseline:
-            continue
-        try:
-            layout = resolve(cfg, **v.budget())
-        except ValueError:        # a budget the model cannot hold: mla.study.layout_check names it
-            continue
-        if (v.model, layout.kv_lora_rank, layout.rope_dims) in seen:
-            continue
-        seen.add((v.model, layout.kv_lora_rank, layout.rope_dims))
-        for name, channels in (("latent", layout.kv_lora_rank), ("RoPE key", layout.rope_dims)):
-            if channels and channels % group:
-                errors.append((key, f"{group} does not divide the {channels} channels of the {name} of "
-                                    f"{v.experiment}/{v.name} ({v.model})"))
-        for b in bits:
-            if group % (8 // b):
-                errors.append((key, f"{group} is not a multiple of {8 // b}, as {b}-bit packing needs"))
-    return list(dict.fromkeys(errors))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from mla.kv.accounting import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
+from mla.kv.quantized import is_mla, make_cache
+
 
 def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens: int = 8, seed: int = 0,
                      quant=None) -> dict:
@@ -15,8 +18,6 @@ def measure_kv_bytes(model, *, batch: int = 2, prompt_len: int = 16, new_tokens:
     """
     import torch
 
-    from mla.kv.accounting import cache_nbytes, kv_elements_per_token, quantized_bytes_per_token, quantized_cache_bytes
-    from mla.kv.quantized import is_mla, make_cache
 
     if quant is not None:
         prompt_len += quant.residual

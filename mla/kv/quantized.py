@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mla import shapes
 from mla.errors import UserError
 from mla.kv.accounting import FULL_PRECISION_BITS
+from mla.stats import evenly_spaced, mean_and_stderr
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ def is_mla(model) -> bool:
 
 def unsupported(model, nbits: int) -> str | None:
     """Why this model's cache cannot be measured at `nbits` (original models: optimum-quanto's widths), or None."""
-    from mla.kv.quanto_torch import QUANTO_BITS
+    from mla.kv.quanto_torch import QUANTO_BITS  # lazy: torch; keeps `mla --help` fast
 
     if nbits == FULL_PRECISION_BITS or is_mla(model) or nbits in QUANTO_BITS:
         return None
@@ -50,7 +52,7 @@ def make_cache(model, quant: KVQuant | None):
     if quant is None or quant.nbits == FULL_PRECISION_BITS:
         return None
     if is_mla(model):
-        from mla.modeling import MLAQuantizedCache
+        from mla.modeling import MLAQuantizedCache  # lazy: torch; keeps `mla --help` fast
 
         try:
             return MLAQuantizedCache(model.config, nbits=quant.nbits, group_size=quant.group_size,
@@ -60,7 +62,7 @@ def make_cache(model, quant: KVQuant | None):
     reason = unsupported(model, quant.nbits) or original_group_problem(model.config, quant.group_size)
     if reason:
         raise UserError(f"quantized cache: {reason}")
-    from mla.kv.quanto_torch import QuantoTorchCache
+    from mla.kv.quanto_torch import QuantoTorchCache  # lazy: torch; keeps `mla --help` fast
 
     try:
         return QuantoTorchCache(model.config, nbits=quant.nbits, q_group_size=quant.group_size,
@@ -72,8 +74,6 @@ def make_cache(model, quant: KVQuant | None):
 def original_group_problem(config, group_size: int) -> str | None:
     """Why `group_size` cannot group an original model's keys and values (quanto groups consecutive values
     of a token's heads: the group size must divide n_kv·d_h for every prompt length), or None."""
-    from mla.conversion import shapes
-
     s = shapes.shape_of(config if isinstance(config, dict) else config.to_dict())
     width = s.kv_heads * s.head_dim
     if group_size < 1 or width % group_size:
@@ -102,7 +102,7 @@ def _dtype(model) -> str:
 
 
 def check_bits(bits: list[int]) -> None:
-    from mla.modeling.cache_mla import SUPPORTED_BITS
+    from mla.modeling.cache_mla import SUPPORTED_BITS  # lazy: torch; keeps `mla --help` fast
 
     for b in bits:
         if b != FULL_PRECISION_BITS and b not in SUPPORTED_BITS:
@@ -138,7 +138,6 @@ def decoded_loss(model, blocks: np.ndarray, quant: KVQuant | None, *, scored: in
 def quantized_cache_losses(model, blocks: np.ndarray, bits: list[int], *, group_size: int, residual: int,
                            scored: int, max_blocks: int | None = None, batch_size: int = 8, log=print) -> dict:
     """Held-out loss (± SE over blocks) with the cache at each bit width, and its paired difference to 16."""
-    from mla.evaluation.perplexity import evenly_spaced, mean_and_stderr
 
     check_bits(bits)
     n = len(blocks) if max_blocks is None else min(max_blocks, len(blocks))

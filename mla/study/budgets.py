@@ -10,13 +10,15 @@ cap is below a need is refused before any job runs.
 
 Pure arithmetic on the config dict after schema validation (defaults filled); no I/O. The Snakefile's
 config check calls `budget_errors`; the data rule passes `train_tokens` / `validation_tokens` to
-`mla data --train-tokens/--validation-tokens`.
+`mla data --train-tokens/--validation-tokens`; the finetune rule's SLURM time comes from `variant_plan`
+(a run's tokens planned by mla.training.walltime).
 """
 
 from __future__ import annotations
 
+from mla.options import DEFAULT_VALIDATION_TOKENS
 from mla.study import experiments
-from mla.study.options import DEFAULT_VALIDATION_TOKENS
+from mla.training import walltime
 
 
 def root_model(config: dict, model: str) -> str:
@@ -106,3 +108,10 @@ def budget_errors(config: dict) -> list[tuple[str, str]]:
                            f"{cap:,} is below the {tokens:,} training tokens that model '{root}' needs"
                            f" ({why}); raise the cap or set it to null"))
     return errors
+
+
+def variant_plan(config: dict, variant) -> walltime.JobPlan:
+    """The job plan of a workflow variant's fine-tuning run (config validated, schema defaults filled)."""
+    t = variant.train
+    tokens = t["steps"] * t["batch_size"] * block_length(config, variant.model)
+    return walltime.plan_run(tokens, t["nproc"] * t.get("nodes", 1), t.get("gpu_tokens_per_second"), t.get("max_job_hours"))

@@ -14,7 +14,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from mla import atomic
 from mla.errors import UserError
+from mla.specfile import read_mapping
 
 FOLDER = "results/config"
 
@@ -30,7 +32,6 @@ def write(cfg: dict, folder: str | Path = FOLDER) -> str:
     """Path of `cfg` (validated, defaults filled) as FOLDER/<hash>.yaml, written once per content."""
     import yaml
 
-    from mla import atomic
 
     # key order is content: experiments are the figure's panels, top to bottom
     blob = json.dumps(cfg, default=str)
@@ -45,8 +46,7 @@ def write(cfg: dict, folder: str | Path = FOLDER) -> str:
 def load(path: str | Path) -> dict:
     """The config in `path`, validated and with its defaults filled, as the Snakefile sees it; a bad
     file is a UserError naming every bad key."""
-    from mla.specfile import read_mapping
-    from mla.study.config_schema import config_problems
+    from mla.study.config_schema import config_problems  # jsonschema: keeps `mla --help` fast
 
     cfg = read_mapping(path, "--config file")
     problems = config_problems(cfg)

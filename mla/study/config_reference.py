@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from mla.study.config_schema import load_schema
+
 HEADER = """# Configuration reference
 
 Generated from `workflow/schemas/config.schema.yaml` by `python -m mla.study.config_reference >
@@ -85,8 +87,6 @@ def _nested(schema: dict, node: dict, path: str) -> list[tuple[str, str, str, st
 def render(schema: dict | None = None) -> str:
     """The whole reference as Markdown."""
     if schema is None:
-        from mla.study.config_schema import load_schema
-
         schema = load_schema()
     out = [HEADER]
     for section, node in schema["properties"].items():

@@ -11,6 +11,30 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from mla.evaluation.report import EvalOptions
+from mla.options import (
+    DEFAULT_LATENT,
+    DEFAULT_ROPE_STRATEGY,
+    DEFAULT_SVD,
+    DEFAULT_VALIDATION_FRACTION,
+    DEFAULT_VALIDATION_TOKENS,
+    FIT_DEFAULTS,
+    LATENT_LAYOUTS,
+    MODEL_SOURCES,
+    ROPE_STRATEGIES,
+    SVD_METHODS,
+)
+from mla.study import experiments
+from mla.study.budgets import budget_errors
+from mla.study.kv_check import kv_group_errors
+from mla.study.layout_check import layout_errors
+from mla.study.memory_check import memory_errors
+from mla.study.train_options import workflow_train_error
+from mla.tracking import DEFAULT_TRACKING_URI
+from mla.training.config import TrainConfig
+from mla.training.trainable import TRAINABLE
+from mla.training.walltime import walltime_errors
+
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
 
@@ -22,26 +46,9 @@ EVALUATE_DEFAULTS_FROM_CLI = ("local_docs", "mmlu", "mmlu_seed", "paper_limit", 
 
 
 def load_schema() -> dict:
-    """The YAML schema with the lists and defaults that the package defines filled in (mla.study.options for
+    """The YAML schema with the lists and defaults that the package defines filled in (mla.options for
     the strategies, model sources and fit settings, TrainConfig for the recipe's paper defaults and the
-    MLflow experiment, mla.study.tracking for the store, EvalOptions for the evaluation's)."""
-    from mla.evaluation.report import EvalOptions
-    from mla.study.options import (
-        DEFAULT_LATENT,
-        DEFAULT_ROPE_STRATEGY,
-        DEFAULT_SVD,
-        DEFAULT_VALIDATION_FRACTION,
-        DEFAULT_VALIDATION_TOKENS,
-        LATENT_LAYOUTS,
-        FIT_DEFAULTS,
-        MODEL_SOURCES,
-        ROPE_STRATEGIES,
-        SVD_METHODS,
-    )
-    from mla.study.tracking import DEFAULT_TRACKING_URI
-    from mla.training.config import TrainConfig
-    from mla.training.trainable import TRAINABLE
-
+    MLflow experiment, mla.tracking for the store, EvalOptions for the evaluation's)."""
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     props = schema["properties"]
     experiment = props["experiments"]["additionalProperties"]["properties"]
@@ -102,14 +109,6 @@ def config_problems(cfg: dict) -> list[tuple[str, str]]:
 def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
     cache budgets, data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
-    from mla.kv.accounting import workflow_errors as kv_group_errors
-    from mla.study import experiments
-    from mla.study.budgets import budget_errors
-    from mla.study.layout_check import layout_errors
-    from mla.training.config import workflow_train_error
-    from mla.training.memory import memory_errors
-    from mla.training.walltime import walltime_errors
-
     errors = []
     models = cfg["models"]
     for name, model in models.items():

@@ -15,7 +15,9 @@ group size only with quantized widths), so changing `evaluate.decode_steps` reru
 
 from __future__ import annotations
 
+from mla.evaluation.mmlu import TOTAL_QUESTIONS
 from mla.kv.accounting import FULL_PRECISION_BITS
+from mla.study.kv_check import group_size_for
 
 QUALITY, INFERENCE = "quality", "inference"
 PARTS = (QUALITY, INFERENCE)
@@ -34,8 +36,6 @@ def needs_prefetch(config: dict, part: str | None = None) -> bool:
 
 def settings(config: dict, model: str, part: str) -> dict:
     """The `EvalOptions` fields of `part` for a checkpoint of `model` (a key of config.models)."""
-    from mla.kv.accounting import group_size_for
-
     e = config["evaluate"]
     if part == QUALITY:
         out = {"part": QUALITY, "max_blocks": e["perplexity_blocks"], "kv_new_tokens": e["kv_new_tokens"],
@@ -45,7 +45,6 @@ def settings(config: dict, model: str, part: str) -> dict:
         if e["paper_tasks"] != "off":
             out["paper_limit"] = e["paper_limit"]
         if e["mmlu"] is None:   # null: all of MMLU's test split
-            from mla.evaluation.mmlu import TOTAL_QUESTIONS
 
             out["mmlu"] = TOTAL_QUESTIONS
         if out["mmlu"]:

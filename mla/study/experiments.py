@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 from fractions import Fraction
 
-from mla.study.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS
+from mla.conversion.layout import conflicting_budget
+from mla.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS
+from mla.training.config import TrainConfig
 
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).
@@ -219,8 +221,6 @@ def distill_and_trainable(train: dict, model: str) -> dict:
     """`distill` and `trainable` as the recipe key hashes them: absent when off (no distillation, or weight 0;
     every parameter trains), so a recipe without them keeps its key; else distill in full, the teacher named (the
     experiment's model unless given) and the numbers as floats (weight 1 and 1.0 are one recipe)."""
-    from mla.training.config import TrainConfig
-
     train = dict(train)
     distill = train.pop("distill", None) or {}
     if distill.get("weight", 0) > 0:
@@ -331,8 +331,6 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
 def _budget_conflict(own: dict, svd: str) -> tuple[str, str] | None:
     """(key, message) when a variant mixes the two ways of giving its cache budget (shape-free; the rest of
     the budget is checked against the model's shape by mla.study.layout_check)."""
-    from mla.conversion.layout import conflicting_budget
-
     error = conflicting_budget(own.get("d_kv"), own.get("r"), own.get("kv_width"), own.get("rope_share"))
     if error is not None:
         return error.option, str(error)

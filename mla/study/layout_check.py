@@ -5,7 +5,10 @@ a model whose shape is unknown before its download is checked by its conversion 
 
 from __future__ import annotations
 
+from mla.conversion.layout import LayoutError, resolve
 from mla.errors import UserError
+from mla.study import experiments
+from mla.study.model_configs import model_config
 
 
 def setting_key(config: dict, experiment: str, variant: str, option: str) -> str:
@@ -22,10 +25,6 @@ def setting_key(config: dict, experiment: str, variant: str, option: str) -> str
 
 def layout_errors(config: dict, results: str = "results") -> list[tuple[str, str]]:
     """(config key, message) for each variant whose budget its model cannot hold."""
-    from mla.conversion.layout import LayoutError, resolve
-    from mla.study import experiments
-    from mla.training.memory import model_config
-
     errors, shapes_of = [], {}
     for v in experiments.all_variants(config):
         if v.is_baseline:

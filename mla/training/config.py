@@ -9,9 +9,12 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from mla.checkpoint import require_checkpoint
+from mla.devices import resolve_device
 from mla.errors import UserError
 from mla.specfile import read_mapping
 from mla.training.schedule import check_schedule
+from mla.training.trainable import TRAINABLE
 
 # The paper's recipe for SmolLM-135M (App. C, Table 4): AdamW(0.9, 0.95, 1e-8), peak lr 1e-4, clip 1.0, warmup
 # 5 %, decay 10 % of the steps; weight decay 0.01 as in the authors' released training configs; seed 42.
@@ -195,42 +198,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-# the workflow's `train` keys (config.yaml) that are `mla train` options under another name
-WORKFLOW_NAMES = {"batch_size": "global_batch", "micro_batch_size": "micro_batch", "max_grad_norm": "clip",
-                  "offload_optimizer": "offload"}
-
-
-def workflow_options(train: dict) -> dict:
-    """The `mla train` options (TrainConfig fields) of a workflow `train` block; keys that only the workflow
-    reads (gpu_memory_gb) are left out."""
-    given = {WORKFLOW_NAMES.get(k, k): v for k, v in train.items()}
-    given["device"] = "cuda" if train["device"] == "gpu" else "cpu"
-    distill = given.pop("distill", None) or {}
-    if distill.get("weight", 0) > 0:  # `distill: {weight, temperature, teacher}`, the teacher a model key
-        from mla.study.experiments import model_dir
-
-        given.update(distill_weight=distill["weight"], teacher=model_dir(distill["teacher"]) if "teacher" in distill
-                     else "", **({"distill_temperature": distill["temperature"]} if "temperature" in distill else {}))
-    # in TrainConfig's order, whatever the block's: the flags are a rule's params, and Snakemake reruns a job
-    # whose params text changed
-    return {name: given[name] for name in TrainConfig.field_names() if name in given}
-
-
-def workflow_train_error(train: dict) -> str | None:
-    """The message `mla train` would stop with for a workflow `train` block (None: it would start), so that
-    a bad recipe stops the workflow before any job, checked by the same code."""
-    cfg = TrainConfig(model="-", data="-", out="-", **workflow_options(train))
-    cfg.world_size = cfg.nproc * cfg.nodes
-    try:
-        resolve(cfg)
-    except UserError as exc:
-        return str(exc)
-    return None
-
-
 def _check_distillation(cfg: TrainConfig) -> None:
-    from mla.training.trainable import TRAINABLE
-
     if not cfg.distill_weight >= 0:
         raise UserError(f"--distill-weight (train.distill.weight) must be >= 0, got {cfg.distill_weight}")
     if not cfg.distill_temperature > 0:
@@ -258,8 +226,7 @@ def _check_deepspeed_override(path: Path) -> None:
 
 def check_inputs(cfg: TrainConfig) -> dict:
     """Model and data exist and fit together; returns the data manifest."""
-    from mla.checkpoint import require_checkpoint
-    from mla.data import read_manifest
+    from mla.data import read_manifest  # lazy: numpy; the workflow's parse reads TrainConfig
 
     require_checkpoint(cfg.model)
     manifest = read_manifest(cfg.data)
@@ -280,8 +247,6 @@ def check_inputs(cfg: TrainConfig) -> dict:
 def _check_teacher(cfg: TrainConfig, model_config: dict) -> None:
     """The teacher exists and predicts over the student's vocabulary: same size and, where both folders carry a
     tokenizer.json, the same tokens (the KL compares the two next-token distributions entry by entry)."""
-    from mla.checkpoint import require_checkpoint
-
     try:
         require_checkpoint(cfg.teacher)
     except UserError as exc:
@@ -306,8 +271,6 @@ def _tokenizer_tokens(path: Path):
 
 def use_cuda(cfg: TrainConfig) -> bool:
     """The device decision, made before anything is loaded: --device cuda without CUDA is an error."""
-    from mla.devices import resolve_device
-
     return resolve_device(cfg.device, flag="--device", config_key="train.device").type == "cuda"
 
 

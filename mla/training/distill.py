@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mla.checkpoint import load_model
 from mla.training import kl_chunks
 
 IGNORE_INDEX = -100            # transformers' label for "no target here"
@@ -114,7 +115,6 @@ def load_teacher(path: str | Path, bf16: bool) -> nn.Module:
     transformers' `from_pretrained` would build the model inside `deepspeed.zero.Init` and partition it."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from mla.checkpoint import load_model
 
     if is_deepspeed_zero3_enabled():
         raise RuntimeError("load_teacher called with the ZeRO-3 config active: the teacher would be partitioned")

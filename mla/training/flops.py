@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import re
 
-from mla.conversion import shapes
+from mla import shapes
+from mla.training.memory import Latent, total_params
 
 # dense bf16 tensor-core peak FLOP/s by model name; the longest name that appears as whole words wins
 PEAK_BF16_FLOPS = {"B200": 2250e12, "GH200": 989.4e12, "H200": 989.4e12, "H100": 989.4e12,
@@ -39,8 +40,6 @@ def peak_flops(device_name: str, override_tflops: float | None = None) -> float 
 
 def training_flops_per_token(config: dict, seq: int) -> dict:
     """FLOPs per trained token of a Llama-family (or MHA2MLA) config at sequence length `seq`, by term."""
-    from mla.training.memory import Latent, total_params
-
     s = shapes.shape_of(config)
     latent = None
     if config.get("model_type") == "mla_llama":

@@ -33,6 +33,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from mla.errors import UserError
+from mla.sources import sha256_of
 
 KEY_VERSION = 1
 TRAJECTORY_FIELDS = ("steps", "lr", "warmup_steps", "decay_steps", "weight_decay", "clip", "adam_beta1",
@@ -45,8 +46,6 @@ LAYOUT_FILE = "mla-layout.json"  # in each checkpoint-N: ranks and ZeRO stage th
 # ---------------------------------------------------------------- the key
 def model_identity(path: str | Path) -> str:
     """sha256 over the model's config.json and weight files (names and contents)."""
-    from mla.sources import sha256_of
-
     folder = Path(path)
     files = [folder / "config.json"] + sorted(f for pattern in WEIGHT_PATTERNS for f in folder.glob(pattern))
     h = hashlib.sha256()

@@ -22,11 +22,19 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from mla import atomic
+from mla import atomic, tracking
+from mla.checkpoint import copy_tokenizer_files, load_model, tidy_trained_checkpoint
+from mla.data import open_blocks
 from mla.errors import UserError
-from mla.study import tracking
 from mla.training import grad_norms
+from mla.training.config import resolved_precision, use_cuda
+from mla.training.deepspeed_config import deepspeed_config
+from mla.training.distill import Distillation, load_teacher, token_kl, whole_parameter_elements
+from mla.training.optimizer import optimizer_class_and_kwargs
+from mla.training.resume import LayoutCallback, last_checkpoint, resume_plan, saved_layout
 from mla.training.schedule import scheduler_arguments
+from mla.training.timelimit import STOP_FILE, TimeLimitCallback
+from mla.training.trainable import elements, select_trainable
 
 METRICS_HEADER = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second"]
 # with distillation `loss` stays the next-token cross-entropy (what the figure and tables compare across runs);
@@ -91,7 +99,6 @@ class MLATrainer(Trainer):
         weight x T^2 x the per-token KL over the same tokens, normalised and scaled as that cross-entropy."""
         if self.distill is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        from mla.training.distill import token_kl
 
         teacher_logits = self.distill.teacher_logits(inputs["input_ids"])
         ce, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
@@ -268,8 +275,6 @@ def mlflow_params(cfg, manifest: dict) -> dict:
 
 def _save_final(trainer: Trainer, cfg, out: Path) -> None:
     """Final HF checkpoint, written to a temporary folder and renamed by rank 0."""
-    from mla.checkpoint import copy_tokenizer_files, tidy_trained_checkpoint
-
     tmp = out / ".final.tmp"
     if trainer.is_world_process_zero():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -286,8 +291,6 @@ def training_arguments(cfg, cuda: bool, bf16: bool, universal: bool = False) -> 
     """The Trainer's arguments, DeepSpeed config included. Create them before loading the model: under
     ZeRO-3 their DeepSpeed config makes `from_pretrained` build the model inside `deepspeed.zero.Init`
     (each rank materialises only its partition), as long as the returned object is alive."""
-    from mla.training.deepspeed_config import deepspeed_config
-
     ds_config = deepspeed_config(cfg, cuda)
     if universal:  # resume from a checkpoint of another layout (mla.training.resume.resume_plan)
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
@@ -321,8 +324,6 @@ def accumulation_dtype(trainer) -> str | None:
 
 def time_limit_callbacks(ckpt_dir: Path, rank0: bool) -> list[TrainerCallback]:
     """Inside a SLURM job: stop with a checkpoint before its time limit (mla.training.timelimit)."""
-    from mla.training.timelimit import STOP_FILE, TimeLimitCallback
-
     if rank0:
         (ckpt_dir / STOP_FILE).unlink(missing_ok=True)   # a stop of an earlier submission: resumed now
     if not os.environ.get("SLURM_JOB_ID"):
@@ -332,11 +333,6 @@ def time_limit_callbacks(ckpt_dir: Path, rank0: bool) -> list[TrainerCallback]:
 
 def build_trainer(cfg, cuda: bool, bf16: bool, dataset, callbacks=(), universal: bool = False) -> MLATrainer:
     """(teacher ->) TrainingArguments (with DeepSpeed) -> model -> MLATrainer, in the order ZeRO-3 needs."""
-    from mla.checkpoint import load_model
-    from mla.training.distill import Distillation, load_teacher
-    from mla.training.optimizer import optimizer_class_and_kwargs
-    from mla.training.trainable import select_trainable
-
     # the teacher before the DeepSpeed config exists, so that ZeRO-3 cannot partition it: a whole copy per rank
     teacher = load_teacher(cfg.teacher, bf16) if cfg.distill_weight > 0 else None
     args = training_arguments(cfg, cuda, bf16, universal)
@@ -380,8 +376,6 @@ def loaded_share(model) -> dict:
 
 def distill_and_trainable_info(cfg, model) -> dict:
     """run.json's `distill` (null when off) and `trainable` entries."""
-    from mla.training.trainable import elements
-
     distill = None
     if cfg.distill_weight > 0:
         distill = {"weight": cfg.distill_weight, "temperature": cfg.distill_temperature, "teacher": cfg.teacher}
@@ -393,8 +387,6 @@ def distill_and_trainable_info(cfg, model) -> dict:
 
 def _report_teacher_and_trainable(trainer: MLATrainer, cfg, node: str) -> None:
     """One stderr line each: the teacher is whole on this rank (never a DeepSpeed partition); what trains."""
-    from mla.training.distill import whole_parameter_elements
-
     rank = os.environ.get("RANK", "0")
     if trainer.distill is not None:
         teacher = trainer.distill.teacher
@@ -411,10 +403,6 @@ def _report_teacher_and_trainable(trainer: MLATrainer, cfg, node: str) -> None:
 
 def run_training(cfg, manifest: dict) -> dict:
     """Train per `cfg` (already resolved and checked) inside a launched process; returns run.json's content."""
-    from mla.data import open_blocks
-    from mla.training.config import resolved_precision, use_cuda
-    from mla.training.resume import LayoutCallback, last_checkpoint, resume_plan, saved_layout
-
     cuda = use_cuda(cfg)
     bf16 = resolved_precision(cfg, cuda) == "bf16"
     if cfg.threads:

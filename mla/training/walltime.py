@@ -77,15 +77,6 @@ def plan_run(tokens: int, gpus: int, tokens_per_gpu_second: float | None, max_jo
     return JobPlan(tokens=tokens, gpus=gpus, training_minutes=training, limit_minutes=limit)
 
 
-def variant_plan(config: dict, variant) -> JobPlan:
-    """The job plan of a workflow variant's fine-tuning run (config validated, schema defaults filled)."""
-    from mla.study.budgets import block_length
-
-    t = variant.train
-    tokens = t["steps"] * t["batch_size"] * block_length(config, variant.model)
-    return plan_run(tokens, t["nproc"] * t.get("nodes", 1), t.get("gpu_tokens_per_second"), t.get("max_job_hours"))
-
-
 def walltime_errors(config: dict) -> list[tuple[str, str]]:
     """(config key, message) when a job of `train.max_job_hours` could not hold any training after its overhead."""
     hours = config["train"].get("max_job_hours")

@@ -8,11 +8,10 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
 from mla.study import budgets, config_file, evaluation_jobs, experiments, reports
 from mla.study.config_schema import config_problems
-from mla.study.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
-from mla.training import walltime
-from mla.training.config import WORKFLOW_NAMES, workflow_options
+from mla.study.train_options import WORKFLOW_NAMES, workflow_options
 
 # `python -m mla` with the interpreter that runs Snakemake: works without activating the venv, and
 # SLURM jobs (which rerun Snakemake inside the job) use the same environment.
@@ -177,8 +176,8 @@ def finetune_launch_args(wc):
 
 def finetune_runtime(wc, attempt):
     """SLURM minutes of this submission: the run's tokens at train.gpu_tokens_per_second, within
-    train.max_job_hours (mla/training/walltime.py)."""
-    return walltime.variant_plan(config, _run(wc)).minutes(attempt)
+    train.max_job_hours (mla/study/budgets.py, mla/training/walltime.py)."""
+    return budgets.variant_plan(config, _run(wc)).minutes(attempt)
 
 
 def finetune_retries():
@@ -187,7 +186,7 @@ def finetune_retries():
     allocation whose time just ran out (the job then ends at TIMEOUT); resubmitting is the submitting host's."""
     if workflow.remote_exec:
         return 0
-    plans = [walltime.variant_plan(config, v).retries for v in STUDY.runs().values()]
+    plans = [budgets.variant_plan(config, v).retries for v in STUDY.runs().values()]
     return max((r for r in plans if r is not None), default=None)
 
 

@@ -7,11 +7,12 @@ lm-eval calls `load(**metadata, **dataset_kwargs)`; every keyword is optional.
 
 from __future__ import annotations
 
+from mla.evaluation import mmlu
+
 
 def load(num_questions: int | None = None, seed: int = 1234, wheel: str | None = None, **_ignored):
     import datasets
 
-    from mla.evaluation import mmlu
 
     questions = mmlu.sample(None if num_questions is None else int(num_questions), int(seed),
                             mmlu.load_questions(wheel))

@@ -1,5 +1,6 @@
 """Perplexity / mean next-token loss of a causal LM on packed token blocks (held-out split), with its
-standard error.
+standard error: the held-out measure of the evaluation, of the layer-wise fit and of the benchmarks, so it
+stands below them all (token blocks come from mla.data.load_blocks).
 
 Blocks are the sampling unit: tokens within a block are correlated, blocks are (nearly) independent
 draws of held-out text. So the uncertainty of the mean loss m is the standard error of the per-block
@@ -10,41 +11,10 @@ m is also their plain mean), and the perplexity's by the delta method: SE(exp m)
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 
-
-def load_blocks(source: str | Path, split: str = "validation") -> np.ndarray:
-    """Token blocks [n, L] from a `mla data` folder (its `split`) or from a .npy file."""
-    from mla.errors import UserError
-
-    p = Path(source)
-    if p.suffix == ".npy":
-        if not p.is_file():
-            raise UserError(f"token blocks file not found: {p}")
-        blocks = np.load(p, mmap_mode="r")
-    else:
-        from mla.data import open_blocks
-
-        blocks = open_blocks(p, split)
-    if blocks.ndim != 2 or blocks.shape[1] < 2:
-        raise UserError(f"{p}: expected token blocks of shape [n_blocks, block_length >= 2], got {blocks.shape}")
-    return blocks
-
-
-def mean_and_stderr(values) -> tuple[float, float | None]:
-    """Mean and its standard error sd/sqrt(n) (sample sd, n - 1); SE None for fewer than 2 values."""
-    x = np.asarray(values, dtype=np.float64)
-    mean = float(x.mean())
-    if len(x) < 2:
-        return mean, None
-    return mean, float(x.std(ddof=1) / math.sqrt(len(x)))
-
-
-def evenly_spaced(total: int, n: int) -> np.ndarray:
-    """n distinct row indices spread evenly over range(total), first and last included (n <= total)."""
-    return np.unique(np.linspace(0, total - 1, n).round().astype(np.int64)) if n < total else np.arange(total)
+from mla.stats import evenly_spaced, mean_and_stderr
 
 
 def per_block_losses(model, blocks: np.ndarray, batch_size: int = 1, max_blocks: int | None = None,

@@ -15,7 +15,8 @@ import random
 import sysconfig
 from pathlib import Path
 
-from mla.study.options import DEFAULT_VALIDATION_FRACTION
+from mla.data import in_validation, stdlib_files
+from mla.options import DEFAULT_VALIDATION_FRACTION
 
 SOURCE_NAME = "python-stdlib"   # the name of the source in mla.data.PYDOC_STDLIB (same split hash)
 MIN_LINE_CHARS = 12
@@ -24,8 +25,6 @@ N_CHOICES = 4
 
 
 def heldout_files(root: Path, validation_fraction: float) -> list[tuple[str, list[str]]]:
-    from mla.data import stdlib_files, in_validation
-
     out = []
     for path in stdlib_files(root):
         key = str(path.relative_to(root))
