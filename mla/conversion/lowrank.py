@@ -92,10 +92,14 @@ def balance_factors(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor,
     return (up.double() / s).to(up.dtype), (down.double() * s[:, None]).to(down.dtype)
 
 
+def _largest_ratio(scales: torch.Tensor) -> float:
+    s2 = scales ** 2               # ‖up col‖ / ‖down row‖ per channel
+    return float(torch.maximum(s2, 1 / s2).max())
+
+
 def imbalance(up: torch.Tensor, down: torch.Tensor) -> float:
     """The largest per-channel ratio max(‖up col‖/‖down row‖, its inverse): 1 when balanced."""
-    s2 = channel_scales(up, down) ** 2
-    return float(torch.maximum(s2, 1 / s2).max())
+    return _largest_ratio(channel_scales(up, down))
 
 
 def _latent_readers(attn) -> list[tuple[torch.nn.Linear, slice]]:
@@ -122,13 +126,12 @@ def _up_matrix(attn) -> torch.Tensor:
 def balance_attention(attn) -> float:
     """Balance a converted attention module's kv_down against k_up / v_up in place (the same function; the
     up biases are untouched); returns the imbalance it had."""
-    up, down = _up_matrix(attn), attn.kv_down.weight.detach().double()
-    before = imbalance(up, down)
-    s = channel_scales(up, down)
+    s = channel_scales(_up_matrix(attn), attn.kv_down.weight.detach().double())
+    down = attn.kv_down.weight.double()
     attn.kv_down.weight.copy_((down * s[:, None]).to(attn.kv_down.weight.dtype))
     for linear, channels in _latent_readers(attn):
         linear.weight.copy_((linear.weight.double() / s[channels]).to(linear.weight.dtype))
-    return before
+    return _largest_ratio(s)
 
 
 def attention_imbalance(attn) -> float:

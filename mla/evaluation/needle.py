@@ -24,7 +24,6 @@ import time
 
 from mla.errors import UserError
 from mla.evaluation.harness import mean_of_independent
-from mla.stats import mean_and_stderr
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -228,32 +227,32 @@ def _key_scores(model, tokenizer, drawn: list[dict], batch_size: int) -> list[di
     import torch
 
     device = next(model.parameters()).device
+    head = model.get_output_embeddings()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     out = []
-    for start in range(0, len(drawn), batch_size):
-        chunk = drawn[start:start + batch_size]
-        prompts = [tokenizer(d["prompt"])["input_ids"] for d in chunk]
-        answers = [answer_ids(tokenizer, d["key"]) for d in chunk]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, (p, a) in enumerate(zip(prompts, answers)):
-            ids[row, :len(p) + len(a)] = torch.tensor(p + a)
-            mask[row, :len(p) + len(a)] = 1
-        with torch.no_grad():   # the body once, the LM head only where an answer token is predicted
+    with torch.no_grad():
+        for start in range(0, len(drawn), batch_size):
+            chunk = drawn[start:start + batch_size]
+            prompts = [tokenizer(d["prompt"])["input_ids"] for d in chunk]
+            answers = [answer_ids(tokenizer, d["key"]) for d in chunk]
+            width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, (p, a) in enumerate(zip(prompts, answers)):
+                ids[row, :len(p) + len(a)] = torch.tensor(p + a)
+                mask[row, :len(p) + len(a)] = 1
+            # the body once, the LM head only where an answer token is predicted
             hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
                                          use_cache=False).last_hidden_state
-            head = model.get_output_embeddings()
-        for row, (d, p, a) in enumerate(zip(chunk, prompts, answers)):
-            # the answer's token j is predicted at position len(p) − 1 + j
-            with torch.no_grad():
+            for row, (d, p, a) in enumerate(zip(chunk, prompts, answers)):
+                # the answer's token j is predicted at position len(p) − 1 + j
                 scored = head(hidden[row, len(p) - 1:len(p) - 1 + len(a)]).float().log_softmax(-1)
-            target = torch.tensor(a, device=scored.device)
-            logprob = scored.gather(1, target[:, None]).squeeze(1)
-            out.append({"key": d["key"], "depth": d["depth"], "prompt_tokens": len(p), "answer_tokens": len(a),
-                        "key_logprob": float(logprob.mean()),
-                        "all_argmax": bool((scored.argmax(-1) == target).all()),
-                        "first_argmax": bool(scored[0].argmax() == target[0])})
+                target = torch.tensor(a, device=scored.device)
+                logprob = scored.gather(1, target[:, None]).squeeze(1)
+                out.append({"key": d["key"], "depth": d["depth"], "prompt_tokens": len(p), "answer_tokens": len(a),
+                            "key_logprob": float(logprob.mean()),
+                            "all_argmax": bool((scored.argmax(-1) == target).all()),
+                            "first_argmax": bool(scored[0].argmax() == target[0])})
     return out
 
 
@@ -269,6 +268,8 @@ def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: 
     over lengths, as independent estimates. Lengths beyond the model's positions are left out
     (`lengths_skipped`).
     """
+    from mla.stats import mean_and_stderr  # lazy: numpy; the workflow's parse reads EvalOptions beside this
+
     if samples < 1:
         raise UserError(f"samples must be at least 1, got {samples}")
     if not lengths:

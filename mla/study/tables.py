@@ -70,14 +70,20 @@ def _read_json(path: Path) -> dict:
         raise TableInputError(f"{path}: not valid JSON ({exc})") from None
 
 
-def finite_losses(path: Path) -> pd.Series:
-    """The finite logged training losses of a metrics.csv, in step order."""
+def read_metrics(path: Path) -> pd.DataFrame:
+    """A training metrics.csv, read once per variant (losses and gradient norms)."""
     if not path.is_file():
         raise TableInputError(f"metrics file not found: {path}")
     try:
-        metrics = pd.read_csv(path)
+        return pd.read_csv(path)
     except pd.errors.EmptyDataError:
         raise TableInputError(f"{path}: empty, no 'loss' column") from None
+
+
+def finite_losses(path: Path, metrics: pd.DataFrame | None = None) -> pd.Series:
+    """The finite logged training losses of a metrics.csv (or of its `metrics`, already read), in step order."""
+    if metrics is None:
+        metrics = read_metrics(path)
     if "loss" not in metrics:
         raise TableInputError(f"{path}: no 'loss' column (header is {list(metrics.columns)})")
     losses = metrics["loss"][np.isfinite(metrics["loss"])]
@@ -149,8 +155,9 @@ def collect(variants: list[Variant]) -> list[dict]:
         local = ((ev.get("benchmarks") or {}).get("local") or {})
         mmlu = ((ev.get("benchmarks") or {}).get("mmlu") or {})
         speed, pred, at = _decode_summary(ev.get("decode"))
-        losses = finite_losses(v.metrics) if v.metrics else None
-        grad_median, grad_max = grad_norms.spread(v.metrics) if v.metrics else (None, None)
+        metrics = read_metrics(v.metrics) if v.metrics else None
+        losses = finite_losses(v.metrics, metrics) if v.metrics else None
+        grad_median, grad_max = grad_norms.median_and_max(metrics.get("grad_norm", ())) if v.metrics else (None, None)
         scored = (ev.get("long_context") or {}).get("passkey_scored") or {}
         local_metric = "acc_norm" if local.get("acc_norm") is not None else "acc"
         rows.append({

@@ -7,18 +7,25 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 
+def median_and_max(norms: Iterable) -> tuple[float | None, float | None]:
+    """(median, max) of the finite values among `norms` (numbers, or strings as a CSV holds them; empty and
+    unparsable ones skipped); (None, None) without any."""
+    finite = []
+    for value in norms:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            finite.append(value)
+    return (statistics.median(finite), max(finite)) if finite else (None, None)
+
+
 def spread(metrics_csv: str | Path) -> tuple[float | None, float | None]:
-    """(median, max) of the finite `grad_norm` values of a metrics.csv; (None, None) without any."""
+    """`median_and_max` of the `grad_norm` column of a metrics.csv."""
     with open(metrics_csv, newline="") as f:
-        norms = []
-        for row in csv.DictReader(f):
-            try:
-                value = float(row.get("grad_norm") or "nan")
-            except ValueError:
-                continue
-            if math.isfinite(value):
-                norms.append(value)
-    return (statistics.median(norms), max(norms)) if norms else (None, None)
+        return median_and_max(row.get("grad_norm") for row in csv.DictReader(f))
