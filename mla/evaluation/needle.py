@@ -256,8 +256,11 @@ def _key_scores(model, tokenizer, drawn: list[dict], batch_size: int) -> list[di
     return out
 
 
+SCORED_TOKENS_PER_BATCH = 4096   # teacher-forced prompts per forward pass: 16 of 256 tokens, 1 of 4,000
+
+
 def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: int = 0,
-                   batch_size: int = 8) -> dict:
+                   batch_size: int | None = None) -> dict:
     """The pass-key task teacher-forced: per length, `samples` prompts (draw_samples) with the true answer
     " NNNNN" appended, scored in one forward pass each. A model can retrieve a key it does not yet write first
     (a thin margin): these scores see that, greedy decoding of a few prompts does not.
@@ -266,7 +269,8 @@ def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: 
     over prompts, `all_argmax` (share of prompts whose answer tokens are all the argmax: greedy decoding would
     write the key right after the question) ± binomial SE, `first_argmax` (the answer's first token). `mean_*`:
     over lengths, as independent estimates. Lengths beyond the model's positions are left out
-    (`lengths_skipped`).
+    (`lengths_skipped`). `batch_size` None: as many prompts per forward pass as fit SCORED_TOKENS_PER_BATCH
+    tokens, so that the paper's 4,000-token prompts do not batch like 256-token ones.
     """
     from mla.stats import mean_and_stderr  # lazy: numpy; the workflow's parse reads EvalOptions beside this
 
@@ -279,7 +283,8 @@ def passkey_scores(model, tokenizer, *, lengths: list[int], samples: int, seed: 
     per_length = {}
     for length in fitting:
         t0 = time.perf_counter()
-        records = _key_scores(model, tokenizer, draw_samples(tokenizer, length, samples, seed), batch_size)
+        batch = batch_size or max(1, SCORED_TOKENS_PER_BATCH // length)
+        records = _key_scores(model, tokenizer, draw_samples(tokenizer, length, samples, seed), batch)
         logprob, logprob_se = mean_and_stderr([r["key_logprob"] for r in records])
         hits = sum(r["all_argmax"] for r in records)
         first = sum(r["first_argmax"] for r in records)
