@@ -22,6 +22,13 @@ def default_config() -> dict:
     return validated(yaml.safe_load((ROOT / "config.yaml").read_text()))
 
 
+def short_form(cfg: dict) -> dict:
+    """The GQA panel by the paper's short form (d_kv 8/16/32, r 4), not the default's measured splits: the tests
+    of variant mechanics start from it."""
+    cfg["experiments"]["gqa2mla"].update(d_kv=[8, 16, 32], r=4, variants={})
+    return cfg
+
+
 def config_of(path: str) -> dict:
     return validated(yaml.safe_load((ROOT / path).read_text()))
 
@@ -30,12 +37,17 @@ def test_short_form_names_labels_and_paths():
     cfg = default_config()
     variants = experiments.experiment_variants(cfg, "gqa2mla")
     assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
-    assert [v.label for v in variants] == ["GQA2MLA d_kv = 8", "GQA2MLA d_kv = 16", "GQA2MLA d_kv = 32", "GQA"]
+    # the paper's cache widths (d_kv + 2r per K/V head), split as measured; the legend says the split
+    assert [(v.kv_width, v.rope_share, v.paper) for v in variants[:3]] == [(48, "1/2", 8), (72, "1/2", 16),
+                                                                          (120, "2/5", 32)]
+    assert [v.label for v in variants] == ["GQA2MLA d_kv = 8: 24 RoPE + 24 latent",
+                                           "GQA2MLA d_kv = 16: 36 RoPE + 36 latent",
+                                           "GQA2MLA d_kv = 32: 48 RoPE + 72 latent", "GQA"]
     v8 = variants[0]
     assert v8.whiten and v8.latent == "per_head"   # activation-aware SVD, rotated RoPE, a layer fit
-    assert v8.conversion == "rotated-r4-joint-white-dkv8"
-    assert v8.convert_dir == "results/convert/smollm2-135m/rotated-r4-joint-white-dkv8"
-    assert v8.fit_dir == f"results/fit/smollm2-135m/rotated-r4-joint-white-dkv8/{v8.fit_key}"
+    assert v8.conversion == "rotated-kv48-rope24-joint-white"
+    assert v8.convert_dir == "results/convert/smollm2-135m/rotated-kv48-rope24-joint-white"
+    assert v8.fit_dir == f"results/fit/smollm2-135m/rotated-kv48-rope24-joint-white/{v8.fit_key}"
     assert v8.run_dir == f"results/finetune/smollm2-135m/{v8.conversion}-{v8.fit_key}/{v8.recipe}"
     assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
     assert variants[-1].is_baseline and variants[-1].conversion is None
@@ -44,6 +56,7 @@ def test_short_form_names_labels_and_paths():
 def test_named_variants_with_their_own_settings_and_overrides():
     cfg = default_config()
     exp = cfg["experiments"]["gqa2mla"]
+    exp["d_kv"], exp["r"] = [8, 16, 32], 4                 # the short form, then the named variants
     exp["variants"] = {"high-split": {"d_kv": 8, "rope_strategy": "high", "svd": "split", "lr": 3e-4,
                                       "label": "S_high + SVD_split"},
                        "rope-only": {"svd": "none", "rope_strategy": "uniform", "paper": "S_uniform"}}
@@ -65,8 +78,8 @@ def test_identical_work_is_one_job_across_variants_and_experiments():
     variants with the same settings under different names: one conversion and one run."""
     cfg = default_config()
     cfg["experiments"]["again"] = copy.deepcopy(cfg["experiments"]["gqa2mla"])
-    cfg["experiments"]["again"]["d_kv"] = [8]
-    cfg["experiments"]["again"]["variants"] = {"same-as-16": {"d_kv": 16, "label": "another name"}}
+    same_as_16 = dict(cfg["experiments"]["gqa2mla"]["variants"]["dkv16"], label="another name")
+    cfg["experiments"]["again"]["variants"] = {"dkv8": {"kv_width": 48, "rope_share": 0.5}, "same-as-16": same_as_16}
     s = experiments.Study(validated(cfg))
     jobs = s.jobs()
     assert jobs["variants"] == 8 + 3
@@ -84,7 +97,6 @@ def test_names_labels_and_mlflow_settings_are_not_part_of_any_job():
     renamed = copy.deepcopy(cfg)
     renamed["mlflow"] = {"experiment": "elsewhere", "tracking_uri": "sqlite:////tmp/other.db"}
     exp = renamed["experiments"].pop("gqa2mla")
-    exp["variants"] = {}
     exp["overrides"] = {"dkv8": {"label": "eight"}, "baseline": {"label": "the baseline"}}
     renamed["experiments"]["renamed-panel"] = exp
     after = experiments.Study(renamed)
@@ -111,7 +123,7 @@ def test_names_labels_and_mlflow_settings_are_not_part_of_any_job():
     ({"d_kv": [], "baseline": False}, "experiments.gqa2mla", "no variants"),
 ])
 def test_bad_variants_are_named(change, key, message):
-    cfg = default_config()
+    cfg = short_form(default_config())
     cfg["experiments"]["gqa2mla"].update(change)
     errors = experiments.variant_errors(validated(cfg))
     assert any(k == key and message in m for k, m in errors), errors
@@ -181,7 +193,7 @@ def test_convert_cli_svd_none_refuses_a_d_kv_and_whitening(tmp_path):
 
 # ---------------------------------------------------------------- fit: layer-wise fitting after conversion
 def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
-    cfg = default_config()
+    cfg = short_form(default_config())
     for exp in cfg["experiments"].values():
         exp.pop("fit")                                # from a default without fits
     before = {v.name: v for v in experiments.experiment_variants(cfg, "gqa2mla")}
