@@ -33,7 +33,7 @@ def ladder_checkpoint(folder: Path, *, num_kv_heads=2, head_dim=64, svd="joint",
     logits span several units (a 1e-4 tolerance then means something)."""
     model = tiny_decoder(model_type, num_kv_heads=num_kv_heads, head_dim=head_dim, **config)
     with torch.no_grad():
-        model.lm_head.weight.mul_(50)
+        model.lm_head.weight.mul_(10)
     cal = calibrate.calibration_pass(model, list(ids(batch=6, length=16, seed=11)), batch_size=3)
     converted, _ = convert_model(model, d_kv=6, r=r, strategy=strategy, scores=cal, svd=svd, latent=latent)
     converted.save_pretrained(folder)
@@ -70,6 +70,7 @@ def test_export_loads_in_transformers_deepseek_v3_and_computes_the_same(case, tm
     assert config["kv_lora_rank"] == 512 and config["qk_rope_head_dim"] == 64
     assert config["qk_nope_head_dim"] == config["v_head_dim"] == mla.config.head_dim
     assert config["rope_interleave"] is True and config["attention_bias"] is False
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["num_nextn_predict_layers"] == 0
     assert config["tie_word_embeddings"] is False and "auto_map" not in config
     with safe_open(out / "model.safetensors", "pt") as f:
         assert "lm_head.weight" in f.keys()

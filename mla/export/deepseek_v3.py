@@ -72,6 +72,7 @@ def deepseek_config(mla_config, ladder: Ladder, dtype: torch.dtype):
         bos_token_id=mla_config.bos_token_id, eos_token_id=mla_config.eos_token_id,
         pad_token_id=mla_config.pad_token_id, initializer_range=mla_config.initializer_range)
     config.architectures = ["DeepseekV3ForCausalLM"]
+    config.rope_theta = config.rope_parameters["rope_theta"]   # also top-level: what transformers < 5 reads
     config.dtype = dtype
     return config
 
