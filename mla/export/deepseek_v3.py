@@ -77,13 +77,11 @@ def deepseek_config(mla_config, ladder: Ladder, dtype: torch.dtype):
     return config
 
 
-def _slots(ladder: Ladder, pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices: where the converted model's rope rows (rotate_half order, 2m) go in DeepSeek's 64
-    interleaved ones, and which they are."""
-    m = len(pairs)
+def _slot_rows(ladder: Ladder, pairs: list[int]) -> torch.Tensor:
+    """Where the converted model's 2m RoPE rows (rotate_half order: the components' first dims, then their
+    second dims) go among DeepSeek's 64 interleaved ones: component i of pair p to 2·slot(p) and 2·slot(p) + 1."""
     slot = torch.tensor([ladder.slot(p) for p in pairs], dtype=torch.long)
-    target = torch.cat([2 * slot, 2 * slot + 1])                     # first dims, then second dims
-    return target, torch.arange(2 * m)
+    return torch.cat([2 * slot, 2 * slot + 1])
 
 
 def attention_weights(attn, ladder: Ladder, pairs: list[int], norm: latent_norm.IdentityNorm,
@@ -91,19 +89,19 @@ def attention_weights(attn, ladder: Ladder, pairs: list[int], norm: latent_norm.
     """One layer's DeepSeek-V3 attention weights (state-dict keys under self_attn.), computed in fp64."""
     cfg = attn.config
     n_h, d_h, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    rope, source = _slots(ladder, pairs)
-    two_m = len(source)
+    rope = _slot_rows(ladder, pairs)
+    two_m = len(rope)
 
     q = attn.q_proj.weight.double().reshape(n_h, two_m + d_h, hidden)
     q_out = q.new_zeros(n_h, d_h + ROPE_DIM, hidden)
     q_out[:, :d_h] = q[:, two_m:]
-    q_out[:, d_h + rope] = q[:, source]
+    q_out[:, d_h + rope] = q[:, :two_m]
     q_out *= math.sqrt((d_h + ROPE_DIM) / d_h)
 
     latent = cfg.kv_lora_rank
     kv_a = q.new_zeros(MAX_LATENT + ROPE_DIM, hidden)
     kv_a[:latent] = norm.alpha * attn.kv_down.weight.double()
-    kv_a[MAX_LATENT + rope] = attn.k_rope_proj.weight.double()[source]
+    kv_a[MAX_LATENT + rope] = attn.k_rope_proj.weight.double()
 
     heads, groups = attn.num_kv_heads, n_h // attn.num_kv_heads     # latent heads of k_up / v_up
     k_up = attn.k_up.weight.double().reshape(heads, d_h, attn.k_latent)
@@ -158,6 +156,7 @@ def calibration_forward(model, norms: list[latent_norm.IdentityNorm], seed: int 
             "eps_logit_change_unscaled": eps_change, "calibration_tokens": batch * length}
 
 
+@torch.no_grad()
 def export_model(model, dtype: torch.dtype) -> tuple[object, dict]:
     """The DeepseekV3ForCausalLM of a loaded MLA model (its attention released layer by layer) and a report."""
     from transformers import DeepseekV3ForCausalLM
