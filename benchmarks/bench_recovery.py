@@ -12,6 +12,8 @@ The methods of the recovery ablation, cumulatively, at the cache width of the pa
   5. + each width split: the RoPE key takes 24/36/48/60 of the 72 (rope_share = dims / width), the latent the
      rest (24 is row 4's conversion itself: reported from it); the per-head 2-norm layout is measured beside
      the splits named by --per-head-splits (default 48) so that the rotation's gain at that split shows.
+  With --ladder, beside each rotated row: the same width in the ladder layout (at most one component per
+  frequency, on DeepSeek's RoPE ladder: the layout `mla export --format deepseek_v3` takes), against that row.
 
 One calibration pass over training blocks gives the 2-norm scores, the rotation's statistics and the
 covariances. Every model is scored on the same held-out blocks (evenly spaced over the validation split);
@@ -66,15 +68,25 @@ class Method:
 
 
 def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,),
-             only_splits: bool = False, split_latent: str = "shared") -> list[Method]:
-    """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits (only those: `only_splits`)."""
+             only_splits: bool = False, split_latent: str = "shared", ladder: int = 0) -> list[Method]:
+    """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits (only those: `only_splits`).
+    `ladder` > 0: beside each rotated row of at most that many components, the same width in the ladder layout
+    (one component per frequency, DeepSeek's RoPE ladder: what `mla export` needs), so its cost shows."""
     width = n_kv * (d_kv + 2 * r)
     paper = dict(d_kv=d_kv, r=r, strategy="2-norm", svd="joint")
     rotated = dict(paper, strategy="rotated")
+
+    def on_ladder(options: dict, components: int) -> list[Method]:
+        if not 0 < components <= ladder:
+            return []
+        return [Method(f"  beside: ladder RoPE ({components} components, one per frequency)",
+                       dict(options, strategy="ladder"), whiten=True, beside=True)]
+
     methods = [Method(f"paper: 2-norm per head r {r}, joint SVD, d_kv {d_kv}", paper),
                Method("+ activation-aware SVD", paper, whiten=True),
                Method(f"+ rotated RoPE ({n_kv * r} components, one shared key)", rotated, whiten=True),
-               Method("+ shared latent", dict(rotated, latent="shared"), whiten=True, same_function=True)]
+               Method("+ shared latent", dict(rotated, latent="shared"), whiten=True, same_function=True),
+               *on_ladder(rotated, n_kv * r)]    # after the same-function check, which reads the row above it
     if only_splits:
         methods = []
     for dims in splits:
@@ -84,6 +96,8 @@ def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per
         methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims (rotated, {dims // 2} components)"
                               f" + latent {width - dims}", dict(split, strategy="rotated", latent=split_latent),
                               whiten=True))
+        if only_splits or dims != 2 * n_kv * r:       # else the ladder row above stands beside this split
+            methods += on_ladder(dict(split, latent=split_latent), dims // 2)
         if dims in per_head_splits and dims % (2 * n_kv) == 0:
             methods.append(Method(f"  beside: 2-norm per head r {dims // (2 * n_kv)} + latent {width - dims}, "
                                   "activation-aware", dict(split, strategy="2-norm"), whiten=True, beside=True))
@@ -267,6 +281,7 @@ def main() -> None:
     import torch
 
     from mla import atomic, checkpoint
+    from mla.conversion.ladder import ladder_for
     from mla.data import open_blocks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -293,14 +308,18 @@ def main() -> None:
     p.add_argument("--only-splits", action="store_true", help="measure only the width splits (the RoPE budget)")
     p.add_argument("--split-latent", choices=("shared", "per_head"), default="shared",
                    help="latent layout of the split rows (default shared, as in the recovery ablation)")
+    p.add_argument("--ladder", action="store_true",
+                   help="beside each rotated row, the ladder layout at the same width (one RoPE component per "
+                        "frequency: what `mla export --format deepseek_v3` needs), to show its cost")
     args = p.parse_args()
 
     torch.manual_seed(0)
     start = time.perf_counter()
     model = checkpoint.load_model(args.model)
     n_kv = model.config.num_key_value_heads
+    ladder = len(ladder_for(model.config.head_dim).pairs) if args.ladder else 0
     methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits),
-                       only_splits=args.only_splits, split_latent=args.split_latent)
+                       only_splits=args.only_splits, split_latent=args.split_latent, ladder=ladder)
     fit = None
     if args.fit_steps:
         import numpy as np

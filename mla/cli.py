@@ -21,6 +21,7 @@ COMMANDS = {
     "fit": "mla.commands.fit",
     "data": "mla.commands.data",
     "train": "mla.commands.train",
+    "export": "mla.commands.export",
     "prefetch": "mla.commands.prefetch",
     "evaluate": "mla.commands.evaluate",
     "plot": "mla.commands.plot",

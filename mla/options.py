@@ -2,12 +2,15 @@
 here (torch-free, so the Snakefile and `mla --help` import it cheaply). The schema's lists are filled from
 these by mla.study.config_schema; the recipe's defaults live in mla.training.config.TrainConfig."""
 
-ROPE_STRATEGIES = ("high", "low", "uniform", "2-norm", "rotated")
+ROPE_STRATEGIES = ("high", "low", "uniform", "2-norm", "rotated", "ladder")
 DEFAULT_ROPE_STRATEGY = "2-norm"       # the paper's S_2-norm (needs `mla calibrate` scores)
 # rotated: RoPE kept on the best components of each frequency pair rotated across the K/V heads, as ONE
-# RoPE key shared by all query heads (mla/conversion/rotation.py); the others keep it per KV head
-SHARED_ROPE_STRATEGIES = ("rotated",)
-CALIBRATED_ROPE_STRATEGIES = ("2-norm", "rotated")   # read the scores file of `mla calibrate`
+# RoPE key shared by all query heads (mla/conversion/rotation.py); the others keep it per KV head.
+# ladder: rotated with at most one component per frequency, on the frequencies DeepSeek's 64-dim RoPE key can
+# hold (mla/conversion/ladder.py): the layout `mla export --format deepseek_v3` needs
+LADDER_ROPE_STRATEGY = "ladder"
+SHARED_ROPE_STRATEGIES = ("rotated", LADDER_ROPE_STRATEGY)
+CALIBRATED_ROPE_STRATEGIES = ("2-norm", "rotated", LADDER_ROPE_STRATEGY)   # read the scores file of `mla calibrate`
 LATENT_LAYOUTS = ("per_head", "shared")   # shared: k_up/v_up rebuild a key and value for every query head
 DEFAULT_LATENT = "per_head"               # the paper's: one key and value per KV head
 SVD_METHODS = ("joint", "split", "none")   # none: partial RoPE only, K/V kept at full rank

@@ -18,6 +18,7 @@ import yaml
 from mla.cli import main as mla_main
 from mla import shapes
 from mla.conversion import calibrate, rotation
+from mla.conversion.ladder import ladder_for
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.conversion.layout import LayoutError, resolve
 from mla.kv.accounting import cache_nbytes, kv_elements_per_token
@@ -143,6 +144,57 @@ def test_component_scores_weigh_query_norms_by_the_rotation_and_rms_key_norm():
     basis, scores = rotation.component_scores(torch.tensor([[[4.0, 2.0], [2.0, 1.0]]]), query_norms)
     assert scores[0, 1].item() == pytest.approx(0, abs=1e-6) and scores[0, 0] > 0
     assert rotation.select_components(torch.tensor([[1.0, 5.0], [3.0, 0.5]]), 2).tolist() == [[0, 1], [1, 0]]
+
+
+# ---------------------------------------------------------------- the ladder (DeepSeek's RoPE frequencies)
+def test_ladders_of_each_head_size():
+    assert ladder_for(64).pairs == list(range(32)) and ladder_for(64).theta(1e4) == 1e4
+    assert ladder_for(32).pairs == list(range(16)) and ladder_for(32).theta(1e4) == pytest.approx(1e8)
+    l128 = ladder_for(128)
+    assert l128.pairs == list(range(0, 64, 2)) and l128.slot(62) == 31 and l128.theta(5e5) == 5e5
+    assert not l128.holds(3)
+    assert ladder_for(96).pairs == list(range(32)) and ladder_for(96).theta(1e4) == pytest.approx(1e4 ** (2 / 3))
+
+
+def test_ladder_selection_keeps_each_pairs_best_component_then_the_best_pairs():
+    scores = torch.tensor([[1.0, 0.5], [9.0, 8.0], [2.0, 3.0], [0.0, 0.0]])    # 4 pairs x 2 components
+    assert rotation.select_components(scores, 2).tolist() == [[1, 0], [1, 1]]          # pair 1 twice
+    assert rotation.select_ladder_components(scores, 2, [0, 1, 2, 3]).tolist() == [[1, 0], [2, 1]]
+    assert rotation.select_ladder_components(scores, 2, [0, 2]).tolist() == [[0, 0], [2, 1]]   # the ladder's only
+    with pytest.raises(ValueError, match="the ladder holds 2 frequency pairs"):
+        rotation.select_ladder_components(scores, 3, [0, 2])
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_a_ladder_conversion_never_repeats_a_frequency(head_dim):
+    model = tiny_llama(num_kv_heads=2, head_dim=head_dim)
+    ladder, cal = ladder_for(head_dim), calibrated(model)
+    most = len(ladder.pairs)
+    converted, report = convert_model(model, d_kv=6, r=most // 2, strategy="ladder", scores=cal)
+    rotated, _ = convert_model(model, d_kv=6, r=most // 2, strategy="rotated", scores=cal)
+    for (pairs,) in converted.config.rope_pairs:
+        assert len(pairs) == most and len(set(pairs)) == most and all(ladder.holds(p) for p in pairs)
+    assert any(len(set(p)) < len(p) for (p,) in rotated.config.rope_pairs)     # the plain layout repeats them
+    assert converted.config.mha2mla["rope_strategy"] == "ladder" and converted.config.mha2mla["rope_ladder"]
+    assert report["kv_elements_per_token_after"] == 2 * (2 * 6 + 2 * most)
+
+
+@pytest.mark.parametrize("source", ["MQA", "GQA with equal keys"])
+def test_ladder_with_every_allowed_component_kept_is_the_original(source):
+    """Exact where one component per frequency holds all of a pair: one K/V head, or K/V heads whose keys are
+    equal (the pair covariance has rank 1, so the other components are zero)."""
+    model = tiny_llama(num_kv_heads=1 if source == "MQA" else 2)
+    if source != "MQA":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                keys = layer.self_attn.k_proj.weight.view(2, -1, model.config.hidden_size)
+                keys[1] = keys[0]
+    cal, x = calibrated(model), ids()
+    half, n_kv = model.config.head_dim // 2, model.config.num_key_value_heads
+    with torch.no_grad():
+        converted, _ = convert_model(model, d_kv=None, r=half // n_kv, strategy="ladder", scores=cal, svd="none")
+        assert (converted(x).logits - model(x).logits).abs().max().item() <= TOL
+    assert all(pairs == list(range(half)) for (pairs,) in converted.config.rope_pairs)
 
 
 # ---------------------------------------------------------------- the cached width
@@ -378,6 +430,9 @@ def test_rotated_shared_latent_checkpoint_loads_without_the_mla_package(tiny_che
      "kv_width=96 gives a latent of 88 channels, but [W_k,nope; W_v] has rank at most 56"),
     (["--kv-width", "16", "--rope-share", "1/2", "--svd", "none"], "svd none keeps K/V at full rank"),
     (["--d-kv", "4", "--r", "9", "--rope-strategy", "rotated"], "r=9 is out of range"),
+    (["--d-kv", "4", "--r", "5", "--rope-strategy", "ladder"], "rope_strategy ladder keeps at most 8"),
+    (["--kv-width", "36", "--rope-share", "1/2", "--rope-strategy", "ladder"],
+     "rope_share=1/2 asks for 9 RoPE components, but rope_strategy ladder keeps at most 8"),
 ])
 def test_bad_budgets_stop_with_one_line_naming_the_option(tiny_checkpoint, tmp_path, capsys, argv, message):
     scores = tmp_path / "s.pt"

@@ -16,14 +16,15 @@ def add_arguments(p):
     p.add_argument("--model", required=True, help="source checkpoint folder")
     p.add_argument("--out", required=True, help="MLA checkpoint folder to write")
     p.add_argument("--d-kv", type=int, help="latent size per KV head (paper's d_kv); not with --svd none")
-    p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16); for rotated, "
-                                         "n_kv·r rotated components: the same cached width")
+    p.add_argument("--r", type=int, help="kept RoPE frequency pairs per head (default d_h/16); for rotated and "
+                                         "ladder, n_kv·r rotated components: the same cached width")
     p.add_argument("--rope-strategy", default=DEFAULT_ROPE_STRATEGY, choices=ROPE_STRATEGIES,
-                   help=f"which pairs keep RoPE (default {DEFAULT_ROPE_STRATEGY}; 2-norm and rotated need --scores). "
-                        "rotated: the best components of each frequency pair mixed across the K/V heads, as one "
-                        "RoPE key shared by all query heads")
+                   help=f"which pairs keep RoPE (default {DEFAULT_ROPE_STRATEGY}; 2-norm, rotated and ladder need "
+                        "--scores). rotated: the best components of each frequency pair mixed across the K/V heads, "
+                        "as one RoPE key shared by all query heads; ladder: rotated with at most one component per "
+                        "frequency, on DeepSeek's RoPE ladder (what `mla export --format deepseek_v3` needs)")
     p.add_argument("--scores", help="scores file from `mla calibrate` (2-norm scores, and the pair covariances "
-                                    "the rotated strategy needs)")
+                                    "the rotated and ladder strategies need)")
     p.add_argument("--latent", default=DEFAULT_LATENT, choices=LATENT_LAYOUTS,
                    help="per_head (default, the paper's): one key and value per KV head rebuilt from the latent; "
                         "shared: one per query head (DeepSeek's MLA; the same function at conversion)")

@@ -23,8 +23,8 @@ def add_arguments(p):
                                          "components, the same cached width")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
     p.add_argument("--rope-strategy", default="high", choices=ROPE_STRATEGIES,
-                   help="only its layout matters here: rotated = one RoPE key shared by all query heads (2m dims "
-                        "per layer), any other = a RoPE key per KV head (default)")
+                   help="only its layout matters here: rotated and ladder = one RoPE key shared by all query heads "
+                        "(2m dims per layer), any other = a RoPE key per KV head (default)")
     p.add_argument("--latent", default=DEFAULT_LATENT, choices=LATENT_LAYOUTS,
                    help="per_head (default): k_up/v_up rebuild n_kv heads; shared: one per query head")
     p.add_argument("--kv-width", type=int, metavar="W",

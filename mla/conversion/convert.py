@@ -23,6 +23,7 @@ import torch
 from mla import atomic, checkpoint, shapes
 from mla.conversion import layout as layouts
 from mla.conversion import lowrank, partial_rope, rotation
+from mla.conversion.ladder import ladder_for
 from mla.errors import UserError
 from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
 
@@ -203,8 +204,9 @@ def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rot
     """The rotation and kept components of every layer, from a scores file's statistics (load_calibration)."""
     where = (calibration or {}).get("path", "the scores") if isinstance(calibration, dict) else "the scores"
     if not isinstance(calibration, dict) or any(k not in calibration for k in ROTATION_KEYS):
-        raise UserError(f"--rope-strategy rotated needs the keys' pair covariances, which {where} lacks (written by "
-                        "an older `mla calibrate`, or not a scores file): run `mla calibrate` again")
+        strategy = "ladder" if layout.ladder else "rotated"
+        raise UserError(f"--rope-strategy {strategy} needs the keys' pair covariances, which {where} lacks (written "
+                        "by an older `mla calibrate`, or not a scores file): run `mla calibrate` again")
     cov, norms = calibration["pair_covariance"], calibration["query_pair_norms"]
     half = layout.head_dim // 2
     expected = {"pair_covariance": (layers, half, layout.kv_heads, layout.kv_heads),
@@ -213,7 +215,8 @@ def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rot
         if tuple(calibration[key].shape) != shape:
             raise UserError(f"{key} in {where} has shape {tuple(calibration[key].shape)} but this model needs "
                             f"{list(shape)}: the scores file belongs to another model")
-    return rotation.rotate_layers(cov, norms, layout.rope_components)
+    ladder_pairs = ladder_for(layout.head_dim).pairs if layout.ladder else None
+    return rotation.rotate_layers(cov, norms, layout.rope_components, ladder_pairs)
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ Per token and layer the converted model caches the latent c_kv (kv_lora_rank cha
   a RoPE key of n_kv heads x 2r dims, each read by the query heads of its GQA group.
 - RoPE layout `shared` (strategy `rotated`, mla/conversion/rotation.py): m rotated components, ONE RoPE key
   of 2m dims read by every query head (DeepSeek's k_pe). `r` keeps its meaning of cached width: m = n_kv·r
-  caches the same 2·n_kv·r dims as the per-head layout.
+  caches the same 2·n_kv·r dims as the per-head layout. Strategy `ladder` keeps at most one component per
+  frequency, on DeepSeek's ladder (mla/conversion/ladder.py), so m is at most the pairs the ladder holds.
 
 The latent layout: `per_head` (the paper's) rebuilds one key and one value per KV head from c_kv, shared by
 the query heads of a group; `shared` (DeepSeek's MLA) rebuilds a key and a value for every query head, from
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from mla import shapes
+from mla.conversion.ladder import ladder_for
 from mla.errors import UserError
 from mla.options import (
     DEFAULT_LATENT,
+    LADDER_ROPE_STRATEGY,
     LATENT_LAYOUTS,
     ROPE_STRATEGIES,
     SHARED_ROPE_STRATEGIES,
@@ -60,6 +63,7 @@ class Layout:
     head_dim: int
     hidden_cap: int           # the hidden size: the latent's input, a bound on its rank
     budget: str = "d_kv"      # how it was given: d_kv (d_kv and r) or kv_width (kv_width and rope_share)
+    ladder: bool = False      # shared layout on DeepSeek's frequency ladder: one component per frequency at most
 
     @property
     def shared_rope(self) -> bool:
@@ -124,9 +128,12 @@ class Layout:
 
     def describe(self) -> dict:
         """The layout as conversion.json and `mla plan` give it."""
-        return {"rope_layout": self.rope_layout, "latent": self.latent, "rope_components": self.rope_components,
-                "rope_dims_per_layer": self.rope_dims, "latent_per_layer": self.kv_lora_rank,
-                "kv_elements_per_token_layer": self.kv_width, "budget": self.budget}
+        described = {"rope_layout": self.rope_layout, "latent": self.latent, "rope_components": self.rope_components,
+                     "rope_dims_per_layer": self.rope_dims, "latent_per_layer": self.kv_lora_rank,
+                     "kv_elements_per_token_layer": self.kv_width, "budget": self.budget}
+        if self.ladder:
+            described["rope_ladder"] = True
+        return described
 
 
 def parse_share(value) -> Fraction:
@@ -168,6 +175,20 @@ def conflicting_budget(d_kv, r, kv_width, rope_share) -> LayoutError | None:
     return None
 
 
+def _check_ladder(layout: Layout, rope_share) -> None:
+    """The ladder strategy keeps one component per frequency, on the pairs DeepSeek's RoPE key holds."""
+    most = len(ladder_for(layout.head_dim).pairs)
+    if layout.rope_components > most:
+        if rope_share is not None:
+            raise LayoutError("rope_share", f"rope_share={rope_share} asks for {layout.rope_components} RoPE "
+                                            f"components, but rope_strategy ladder keeps at most {most} (one per "
+                                            f"frequency on DeepSeek's ladder, d_h = {layout.head_dim})")
+        raise LayoutError("r", f"r={layout.rope_components // layout.kv_heads} asks for {layout.rope_components} "
+                               f"RoPE components (n_kv·r), but rope_strategy ladder keeps at most {most} (one per "
+                               f"frequency on DeepSeek's ladder, d_h = {layout.head_dim}); the largest r is "
+                               f"{most // layout.kv_heads}")
+
+
 def resolve(config: dict, *, strategy: str, svd: str, d_kv: int | None = None, r: int | None = None,
             kv_width: int | None = None, rope_share=None, latent: str = DEFAULT_LATENT) -> Layout:
     """Check the options against the model `config` (a config.json dict) and give the layout they mean."""
@@ -185,8 +206,9 @@ def resolve(config: dict, *, strategy: str, svd: str, d_kv: int | None = None, r
         raise conflict
     shared = strategy in SHARED_ROPE_STRATEGIES
     half = s.head_dim // 2
+    ladder = strategy == LADDER_ROPE_STRATEGY
     common = dict(rope_layout="shared" if shared else "per_head", latent=latent, svd=svd, heads=s.heads,
-                  kv_heads=s.kv_heads, head_dim=s.head_dim, hidden_cap=s.hidden)
+                  kv_heads=s.kv_heads, head_dim=s.head_dim, hidden_cap=s.hidden, ladder=ladder)
     if kv_width is not None:
         if svd == "none":
             raise LayoutError("kv_width", f"kv_width={kv_width} sets the latent's width, but svd none keeps K/V at "
@@ -208,12 +230,16 @@ def resolve(config: dict, *, strategy: str, svd: str, d_kv: int | None = None, r
                                             f"{what}, but the model has {have}")
         rank = kv_width - dims         # >= 1: parse_share keeps the share below 1
         layout = Layout(rope_components=components, kv_lora_rank=rank, budget="kv_width", **common)
+        if ladder:
+            _check_ladder(layout, rope_share)
     else:
         r = shapes.default_r(s.head_dim) if r is None else r
         if not 0 <= r <= half:
             raise LayoutError("r", f"r={r} is out of range: it counts kept frequency pairs per head and must be "
                                    f"between 0 and d_h/2 = {half}")
         layout = Layout(rope_components=s.kv_heads * r, kv_lora_rank=1, **common)
+        if ladder:
+            _check_ladder(layout, None)
         if svd == "none":
             full = layout.full_rank()
             if not shared and full % s.kv_heads:

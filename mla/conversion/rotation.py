@@ -19,6 +19,9 @@ their second dims], rotate_half order, each rotating with its pair's θ_k). The 
 no-RoPE keys: per K/V head g, the projection onto the dropped subspace, W_knope[g] = Σ_g' P_k[g, g'] W_k[g']
 on pair k's dims, P_k = U_drop U_dropᵀ (d_h rows per head), read by the head's whole unrotated query (d_h).
 With every component kept, P = 0 and the model is the original one.
+
+The `ladder` strategy (DeepSeek's format, mla/conversion/ladder.py) keeps at most one component per frequency:
+each pair's best-scoring component, then the top-m pairs by that score, among the pairs the ladder holds.
 """
 
 from __future__ import annotations
@@ -85,13 +88,28 @@ def select_components(scores: torch.Tensor, m: int) -> torch.Tensor:
     return torch.stack([order // n_kv, order % n_kv], dim=1)
 
 
-def rotate_layers(pair_covariance: torch.Tensor, query_norms: torch.Tensor, m: int) -> list[RotatedLayer]:
+def select_ladder_components(scores: torch.Tensor, m: int, pairs: list[int]) -> torch.Tensor:
+    """The m best pairs among `pairs` (those DeepSeek's ladder holds), each with its best component, from one
+    layer's scores [d_h/2, n_kv]; sorted by pair. One component per frequency: a RoPE slot holds one."""
+    if not 0 <= m <= len(pairs):
+        raise ValueError(f"{m} ladder components asked, but the ladder holds {len(pairs)} frequency pairs")
+    best, component = scores.max(dim=1)
+    allowed = torch.tensor(pairs, dtype=torch.long)
+    order = allowed[torch.argsort(best[allowed], descending=True, stable=True)[:m]]
+    order = torch.sort(order).values
+    return torch.stack([order, component[order]], dim=1)
+
+
+def rotate_layers(pair_covariance: torch.Tensor, query_norms: torch.Tensor, m: int,
+                  ladder_pairs: list[int] | None = None) -> list[RotatedLayer]:
     """Every layer's rotation and kept components: pair_covariance [L, d_h/2, n_kv, n_kv], query_norms
-    [L, n_h, d_h/2] (from `mla calibrate`)."""
+    [L, n_h, d_h/2] (from `mla calibrate`); with `ladder_pairs`, one component per frequency among them."""
     layers = []
     for c, q in zip(pair_covariance, query_norms):
         basis, scores = component_scores(c, q)
-        layers.append(RotatedLayer(basis, select_components(scores, m)))
+        kept = (select_components(scores, m) if ladder_pairs is None
+                else select_ladder_components(scores, m, ladder_pairs))
+        layers.append(RotatedLayer(basis, kept))
     return layers
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from mla import shapes
 from mla.conversion.layout import resolve
 from mla.errors import UserError
+from mla.options import SHARED_ROPE_STRATEGIES
 from mla.study import experiments
 from mla.study.model_configs import model_config
 from mla.training.memory import GB, parse_memory, plan_training, teacher_parameters
@@ -31,7 +32,7 @@ def _job_plans(config: dict, ename: str, cfg_model: dict, train: dict, seq: int,
         if v.is_baseline:
             plans[v.name] = plan_training(cfg_model, **own)
             continue
-        if v.kv_width is not None or v.rope_strategy == "rotated":
+        if v.kv_width is not None or v.rope_strategy in SHARED_ROPE_STRATEGIES:
             # planned as the per-head layout of the same cache width, rounded up: the shared RoPE key's wider
             # query (n_h·2m more rows) and a shared latent's n_h-head up-projections are not counted
             layout = resolve(cfg_model, **v.budget())
