@@ -10,39 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from export_helpers import export, ids, ladder_checkpoint
 from safetensors import safe_open
 from transformers import DeepseekV3ForCausalLM
 
 from mla.checkpoint import load_model, load_tokenizer
-from mla.cli import main as mla_main
 from mla.conversion import calibrate
 from mla.conversion.convert import convert_model
 from mla.export import latent_norm
-from mla.tiny_models import tiny_decoder, tiny_tokenizer
 
 TOL = 1e-4
-
-
-def ids(batch=2, length=24, seed=3):
-    return torch.randint(1, 512, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def ladder_checkpoint(folder: Path, *, num_kv_heads=2, head_dim=64, svd="joint", latent="per_head", r=4,
-                      strategy="ladder", model_type="llama", **config) -> Path:
-    """A tiny random model converted with `strategy` and saved with a tokenizer; its head is scaled up so that
-    logits span several units (a 1e-4 tolerance then means something)."""
-    model = tiny_decoder(model_type, num_kv_heads=num_kv_heads, head_dim=head_dim, **config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10)
-    cal = calibrate.calibration_pass(model, list(ids(batch=6, length=16, seed=11)), batch_size=3)
-    converted, _ = convert_model(model, d_kv=6, r=r, strategy=strategy, scores=cal, svd=svd, latent=latent)
-    converted.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def export(src: Path, out: Path, *extra: str) -> int:
-    return mla_main(["export", str(src), "--format", "deepseek_v3", "--out", str(out), *extra])
 
 
 # ---------------------------------------------------------------- exactness

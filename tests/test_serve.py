@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from export_helpers import export, ladder_checkpoint
 from greedy_agreement import compare, hf_greedy   # scripts/, put on sys.path by conftest.py
 from vllm_client import completions, run_offline, vllm_python, vllm_server
 
@@ -28,12 +29,13 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def served_checkpoint(tmp_path_factory):
-    """The checkpoint under test, in the DeepSeek-V3 layout that stock engines load (dense, q_lora_rank null,
-    kv_lora_rank 512 + qk_rope_head_dim 64). For now a tiny random one saved by transformers; the export of a
-    tiny converted model (`mla export ... --format deepseek_v3`) replaces it here."""
-    from mla.tiny_models import save_tiny_deepseek_v3
-
-    return save_tiny_deepseek_v3(tmp_path_factory.mktemp("serve") / "deepseek_v3")
+    """The checkpoint under test: a tiny random GQA Llama (d_h 64) converted with the ladder RoPE layout and
+    exported by `mla export --format deepseek_v3` (dense, q_lora_rank null, kv_lora_rank 512 + qk_rope_head_dim
+    64; tests/test_export.py checks it computes the MLA model's logits in transformers)."""
+    folder = tmp_path_factory.mktemp("serve")
+    src = ladder_checkpoint(folder / "mla", num_kv_heads=2, head_dim=64)
+    assert export(src, folder / "deepseek_v3") == 0
+    return folder / "deepseek_v3"
 
 
 @pytest.fixture(scope="session")
