@@ -36,6 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--bench-steps", type=int, default=32, help="decode speed: tokens decoded per sequence")
     parser.add_argument("--compilation-config", type=json.loads, help="vLLM's compilation_config (JSON)")
     parser.add_argument("--attention-backend", help="vLLM's attention backend by name (default: vLLM's choice)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="GPU: the share of the GPU's memory vLLM may take (default: vLLM's 0.9)")
     return parser.parse_args(argv)
 
 
@@ -96,6 +98,8 @@ def main(argv=None) -> None:
     engine = {"compilation_config": args.compilation_config} if args.compilation_config else {}
     if args.attention_backend:
         engine["attention_backend"] = args.attention_backend
+    if args.gpu_memory_utilization:
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=args.max_model_len, enable_prefix_caching=False, seed=0, **engine)
 

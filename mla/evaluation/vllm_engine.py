@@ -52,18 +52,23 @@ def engine_python(device: str) -> Path:
     return Path(sys.executable)
 
 
+# vLLM checks at start that this share of the GPU is free; the caller (a test, gpu-check) may hold some already
+GPU_MEMORY_UTILIZATION = 0.5
+
+
 def engine_settings(device: str, mla: bool = False) -> dict:
-    """The runner's device-specific options: the CPU rotary workaround; on a GPU the MLA backend for an MLA
-    (DeepSeek) checkpoint, FlashMLA on Hopper/Blackwell (compute capability 9/10, what FlashMLA builds for),
-    else TRITON_MLA (any GPU); a non-MLA model keeps vLLM's own choice."""
+    """The runner's device-specific options: the CPU rotary workaround; on a GPU half its memory and, for an MLA
+    (DeepSeek) checkpoint, the MLA backend: FlashMLA on Hopper/Blackwell (compute capability 9/10, what FlashMLA
+    builds for), else TRITON_MLA (any GPU); a non-MLA model keeps vLLM's own choice."""
     if device == "cpu":
         return {"compilation_config": CPU_COMPILATION_CONFIG}
-    if not mla:
-        return {}
-    import torch   # lazy: GPU only, where the project's venv has CUDA torch
+    settings = {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
+    if mla:
+        import torch   # lazy: GPU only, where the project's venv has CUDA torch
 
-    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
-    return {"attention_backend": "FLASHMLA" if major in (9, 10) else "TRITON_MLA"}
+        major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+        settings["attention_backend"] = "FLASHMLA" if major in (9, 10) else "TRITON_MLA"
+    return settings
 
 
 def vllm_python(install: bool = False) -> Path:
@@ -98,6 +103,8 @@ def run_offline(python: Path, model: str | Path, prompts: list[list[int]] | None
             cmd += ["--compilation-config", json.dumps(settings["compilation_config"])]
         if "attention_backend" in settings:
             cmd += ["--attention-backend", settings["attention_backend"]]
+        if "gpu_memory_utilization" in settings:
+            cmd += ["--gpu-memory-utilization", str(settings["gpu_memory_utilization"])]
         log = Path(tmp) / "engine.log"
         with open(log, "w") as f:
             done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
