@@ -5,11 +5,13 @@
 #
 #   snakemake --cores all inference                         # + the inference measurements (evaluate.inference: all)
 #
-# Stages (one rule file each): download -> data -> calibrate -> convert [-> fit] -> finetune -> evaluate -> figures.
+# Stages (one rule file each): download -> data -> calibrate -> convert [-> fit] -> finetune -> evaluate [-> serve]
+# -> figures.
 # Rules only call `mla <verb>`; the science is in the `mla` package. Paths (mla/study/experiments.py):
 #   results/convert/<model>/<conversion>, results/fit/<model>/<conversion>/<fit>,
 #   results/finetune/<model>/<start>/<recipe>/...,
 #   results/evaluate/<model>/{original,<start>/<recipe>}/{eval,inference}.json, results/tables/<experiment>.*,
+#   with evaluate.serve: results/export/<model>/<start>/<recipe>, results/evaluate/.../serve.json,
 #   logs/<rule>/<wildcards>.log, benchmarks/<rule>/<wildcards>.tsv
 
 from snakemake.utils import min_version
@@ -60,6 +62,7 @@ include: "workflow/rules/convert.smk"
 include: "workflow/rules/fit.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/serve.smk"
 include: "workflow/rules/figures.smk"
 
 
@@ -81,8 +84,9 @@ rule all:
     default_target: True
 
 
-# the inference measurements of every checkpoint (decode speed, quantized caches, LongBench), on request;
-# `all` includes them, and the tables show them, when evaluate.inference is true
+# the inference measurements of every checkpoint (decode speed, quantized caches, LongBench; with evaluate.serve
+# vLLM on each ladder variant's export), on request; `all` includes them, and the tables show them, when
+# evaluate.inference is true
 rule inference:
     input:
         STUDY.inference_targets(),

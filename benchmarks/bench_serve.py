@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]   # the checkout's package and scripts/, without installing
+sys.path[:0] = [str(ROOT)]   # the checkout's package, without installing
 
-from greedy_agreement import compare, hf_greedy  # noqa: E402
-from vllm_client import VllmEnvMissing, run_offline, vllm_python  # noqa: E402
+from mla.evaluation.greedy_agreement import compare, hf_greedy  # noqa: E402
+from mla.evaluation.vllm_engine import VllmEnvMissing, run_offline, vllm_python  # noqa: E402
 
 
 def random_prompts(vocab_size: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -44,11 +44,11 @@ def predicted_kv_bytes(config: dict) -> int:
 def measure(python: Path, label: str, model: Path, args) -> dict:
     config = json.loads((model / "config.json").read_text())
     prompts = random_prompts(config["vocab_size"], args.prompts)
-    run = run_offline(python, model, prompts, args.max_tokens, bench=(args.batch, args.context, args.steps))
+    run = run_offline(python, model, prompts, args.max_tokens, bench=[(args.batch, args.context)], steps=args.steps)
     start = time.perf_counter()
     hf_tokens, hf_logits = hf_greedy(model, prompts, args.max_tokens)
     agreement = compare(hf_tokens, hf_logits, run["tokens"])
-    kv, decode = run["kv_cache"], run["decode"]
+    kv, decode = run["kv_cache"], run["decode"][0]
     print(f"{label}: {model}\n"
           f"  vLLM engine start {run['engine_start_s']:.1f} s ({kv['attention_backend']}); transformers' greedy pass "
           f"{time.perf_counter() - start:.1f} s\n"

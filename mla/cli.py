@@ -24,6 +24,7 @@ COMMANDS = {
     "export": "mla.commands.export",
     "prefetch": "mla.commands.prefetch",
     "evaluate": "mla.commands.evaluate",
+    "serve-bench": "mla.commands.serve_bench",
     "plot": "mla.commands.plot",
     "table": "mla.commands.table",
 }

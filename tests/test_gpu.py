@@ -8,7 +8,9 @@ fresh process started without it.
 - one bf16 ZeRO-2 step (fp32 accumulation of two micro-batches) against an fp32 reference;
 - `mla train` on CUDA: the start model loaded in bf16, gradients accumulated in fp32;
 - the quantized-cache evaluation of an original (unconverted) model: numbers, or a skip with its reason;
-- `generate` with the latent cache (full precision and quantized) on CUDA.
+- `generate` with the latent cache (full precision and quantized) on CUDA;
+- vLLM's GPU MLA backend on the DeepSeek-V3 export of a tiny ladder conversion beside the original (skipped when
+  vLLM is not installed in this venv: `pip install vllm`, docs/evaluation-on-gpus.md).
 """
 
 from __future__ import annotations
@@ -212,3 +214,29 @@ def test_generate_with_the_latent_cache_on_cuda():
             if kwargs:
                 assert isinstance(out.cache, MLAQuantizedCache)
                 assert layer.quantized[0].packed.device.type == "cuda" and layer.quantized[0].tokens > 0
+
+
+def test_vllm_serves_the_export_with_its_gpu_mla_backend(tmp_path):
+    """The workflow's serve job on the GPU (mla.evaluation.serving): KV bytes per token as vLLM allocated them
+    (the export's latent + RoPE key, the original's K and V, bf16), decode tokens/s of both, and vLLM's greedy
+    tokens on the export against transformers' on the MLA checkpoint, every difference a bf16 near-tie."""
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv (pip install vllm)")
+    from export_helpers import export, ladder_checkpoint
+
+    from mla.evaluation import serving
+    from mla.tiny_models import save_tiny_checkpoint
+
+    original = save_tiny_checkpoint(tmp_path / "original", num_kv_heads=2, head_dim=64)
+    mla_dir = ladder_checkpoint(tmp_path / "mla", num_kv_heads=2, head_dim=64)
+    assert export(mla_dir, tmp_path / "deepseek_v3") == 0
+    prompts = [list(range(1 + i, 33 + i)) for i in range(8)]
+    result = serving.measure(tmp_path / "deepseek_v3", original, mla_dir, prompts, [(1, 64), (4, 64)], steps=8,
+                             max_tokens=16, device="gpu")
+    print(serving.summary_line(result))
+    assert result["export"]["attention_backend"] in ("FLASHMLA", "TRITON_MLA")
+    assert result["export"]["kv_bytes_per_token"] == (512 + 64) * 2 * 2
+    assert result["original"]["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 2
+    assert all(d["export_tokens_per_s"] > 0 and d["original_tokens_per_s"] > 0 for d in result["decode"])
+    agreement = result["greedy_agreement"]
+    assert agreement["all_near_ties"], agreement["differing"]
+    assert agreement["token_agreement"] >= 0.5

@@ -430,7 +430,7 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
     """The GPU check's code on tiny shapes on the CPU, started from another folder without PYTHONPATH (its
     subprocesses find this checkout): the GPU test tier collected and skipped, Trainer steps (fp32 load and
     accumulation on the CPU), the plan against the allocator (activations, and DeepSpeed ZeRO-2's own model states
-    in bf16 with fp32 accumulation), and absorbed-MLA decode beside S(B,T)."""
+    in bf16 with fp32 accumulation), absorbed-MLA decode beside S(B,T), and the vLLM part skipped with its reason."""
     out = tmp_path / "gpu-check.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu-check"), "--device", "cpu", "--tiny", "--out",
@@ -438,7 +438,9 @@ def test_gpu_check_tiny_cpu_rehearsal(tmp_path):
                        capture_output=True, text=True, timeout=580, env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(out.read_text())
-    assert s["status"] == "ok" and s["errors"] == {} and s["parts"] == ["t", "b", "c", "a"]
+    assert s["status"] == "ok" and s["errors"] == {} and s["parts"] == ["t", "b", "c", "s", "a"]
+    # vLLM serving: left out of the CPU rehearsal, saying why (its CPU path is the workflow's serve test)
+    assert s["serve"]["status"] == "skipped" and "tests/test_serve_workflow.py" in s["serve"]["reason"]
     assert Path(s["package"]).resolve() == (ROOT / "mla/__init__.py").resolve()
     tests = s["gpu_tests"]   # no CUDA here: every test of the tier collected and skipped, none failed
     assert tests["skipped"] == len(tests["cases"]) >= 8 and tests["failed"] == tests["error"] == 0

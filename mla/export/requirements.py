@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mla.conversion.ladder import ROPE_SLOTS, Ladder, ladder_for
 from mla.errors import UserError
+from mla.shapes import attention_biases
 
 MAX_LATENT = 512          # kv_lora_rank of DeepSeek-V3, the width FlashMLA and vLLM's MLA backends take
 MAX_HEAD_DIM = 128        # qk_nope_head_dim = v_head_dim = d_h: DeepSeek's own 128 at most
@@ -20,28 +21,8 @@ def check_deepseek_v3(config: dict) -> Ladder:
     """Refuse what the format cannot express; returns the RoPE ladder of the checkpoint's head size."""
     if config.get("model_type") != "mla_llama":
         raise UserError(f"not an MLA checkpoint (model_type {config.get('model_type')!r}): {LADDER_HINT} first")
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if head_dim > MAX_HEAD_DIM:
-        raise UserError(f"head_dim {head_dim}: the DeepSeek-V3 export takes d_h ≤ {MAX_HEAD_DIM} "
-                        "(qk_nope_head_dim = v_head_dim = d_h)")
-    if config.get("attention_bias") or config.get("o_proj_bias"):
-        raise UserError("attention_bias: DeepSeek-V3's attention has no biases, so a source with q/k/v or o "
-                        "biases (Qwen2) cannot be exported")
-    if config.get("mlp_bias"):
-        raise UserError("mlp_bias: DeepSeek-V3's MLP has no biases")
-    if config.get("hidden_act") != "silu":
-        raise UserError(f"hidden_act {config.get('hidden_act')!r}: DeepSeek-V3's MLP is SwiGLU with silu "
-                        "(a Llama MLP)")
-    if not config.get("rms_norm_eps", 0) > 0:
-        raise UserError(f"rms_norm_eps {config.get('rms_norm_eps')}: the export rescales the residual stream by "
-                        "sqrt(1e-6 / rms_norm_eps), which needs a positive eps")
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise UserError(f"rope_parameters rope_type {rope.get('rope_type')!r}: the DeepSeek-V3 export needs the "
-                        "default RoPE (vLLM would run any other type as DeepSeek's yarn)")
-    if config["kv_lora_rank"] > MAX_LATENT:
-        raise UserError(f"kv_lora_rank {config['kv_lora_rank']}: wider than the {MAX_LATENT} latent channels "
-                        "DeepSeek-V3 engines take; convert with a smaller --d-kv (n_kv·d_kv ≤ 512) or --kv-width")
+    head_dim = check_source(config)
+    check_latent(config["kv_lora_rank"])
     if config.get("rope_layout") != "shared":
         raise UserError(f"rope_layout {config.get('rope_layout')!r} (a RoPE key per KV head, the paper's) has no "
                         f"DeepSeek-V3 form: {LADDER_HINT}")
@@ -56,3 +37,34 @@ def check_deepseek_v3(config: dict) -> Ladder:
             raise UserError(f"rope_pairs of layer {i} keep pairs {off}, which DeepSeek's ladder of {ROPE_SLOTS} "
                             f"frequencies cannot hold at d_h = {head_dim}: {LADDER_HINT}")
     return ladder
+
+
+def check_source(config: dict) -> int:
+    """What the source model itself must be (read from the MLA checkpoint's config.json, or, before any
+    conversion, the original model's, as the workflow's config check does): returns its head size."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim > MAX_HEAD_DIM:
+        raise UserError(f"head_dim {head_dim}: the DeepSeek-V3 export takes d_h ≤ {MAX_HEAD_DIM} "
+                        "(qk_nope_head_dim = v_head_dim = d_h)")
+    if any(attention_biases(config)) or config.get("o_proj_bias"):
+        raise UserError("attention_bias: DeepSeek-V3's attention has no biases, so a source with q/k/v or o "
+                        "biases (Qwen2) cannot be exported")
+    if config.get("mlp_bias"):
+        raise UserError("mlp_bias: DeepSeek-V3's MLP has no biases")
+    act = config.get("hidden_act", "silu")   # absent from the bundled shapes (mla/model_shapes): Llama's default
+    if act != "silu":
+        raise UserError(f"hidden_act {act!r}: DeepSeek-V3's MLP is SwiGLU with silu (a Llama MLP)")
+    if not config.get("rms_norm_eps", 0) > 0:
+        raise UserError(f"rms_norm_eps {config.get('rms_norm_eps')}: the export rescales the residual stream by "
+                        "sqrt(1e-6 / rms_norm_eps), which needs a positive eps")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}   # rope_scaling: transformers < 5
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise UserError(f"rope_parameters rope_type {rope.get('rope_type')!r}: the DeepSeek-V3 export needs the "
+                        "default RoPE (vLLM would run any other type as DeepSeek's yarn)")
+    return head_dim
+
+
+def check_latent(kv_lora_rank: int) -> None:
+    if kv_lora_rank > MAX_LATENT:
+        raise UserError(f"kv_lora_rank {kv_lora_rank}: wider than the {MAX_LATENT} latent channels "
+                        "DeepSeek-V3 engines take; convert with a smaller --d-kv (n_kv·d_kv ≤ 512) or --kv-width")

@@ -29,6 +29,7 @@ from mla.study.budgets import budget_errors
 from mla.study.kv_check import kv_group_errors
 from mla.study.layout_check import layout_errors
 from mla.study.memory_check import memory_errors
+from mla.study.serve_check import serve_errors
 from mla.study.train_options import workflow_train_error
 from mla.tracking import DEFAULT_TRACKING_URI
 from mla.training.config import TrainConfig
@@ -108,7 +109,8 @@ def config_problems(cfg: dict) -> list[tuple[str, str]]:
 
 def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
     """Models named and derived without loops, variants, each run's recipe as `mla train` checks it, then
-    cache budgets, data budgets, GPU memory and the quantized cache's group sizes (arithmetic on what exists)."""
+    cache budgets, data budgets, GPU memory, the quantized cache's group sizes and what evaluate.serve
+    serves (arithmetic on what exists)."""
     errors = []
     models = cfg["models"]
     for name, model in models.items():
@@ -136,7 +138,7 @@ def _cross_reference_problems(cfg: dict) -> list[tuple[str, str]]:
         message = workflow_train_error(v.train)
         if message:
             errors.append((where, message))
-    for check in (layout_errors, budget_errors, memory_errors, kv_group_errors, walltime_errors):
+    for check in (layout_errors, budget_errors, memory_errors, kv_group_errors, walltime_errors, serve_errors):
         if not errors:
             errors += check(cfg)
     return list(dict.fromkeys(errors))  # one message per key

@@ -71,3 +71,11 @@ def settings(config: dict, model: str, part: str) -> dict:
             out["decode_steps"] = e["decode_steps"]
         return out
     raise ValueError(f"unknown evaluation part {part!r} (one of {', '.join(PARTS)})")
+
+
+def serve_settings(config: dict) -> dict:
+    """What a serve job (evaluate.serve) measures, as `mla serve-bench` options: the serve rule's params (its
+    rerun trigger). The device is a machine choice, as for the evaluation jobs: the JSON records it."""
+    e = config["evaluate"]
+    return {"decode_grid": list(e["decode_grid"]), "decode_steps": e["decode_steps"],
+            "prompts": e["serve_prompts"], "max_tokens": e["serve_tokens"]}

@@ -21,6 +21,8 @@ experiments runs once:
   evaluation  results/evaluate/<model>/<start>/<recipe>/{eval,inference}.json, and
               results/evaluate/<model>/original/{eval,inference}.json once per model: quality
               (eval.json) and inference measurements (inference.json), mla.study.evaluation_jobs
+  serving     (evaluate.serve, ladder variants) results/export/<model>/<start>/<recipe> (the DeepSeek-V3 export)
+              and results/evaluate/<model>/<start>/<recipe>/serve.json (vLLM on it and on the original)
 
 Names, legend labels, the MLflow experiment and the tracking URI are not part of any key: changing
 them reruns nothing but the figure and tables.
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from mla.conversion.layout import conflicting_budget
-from mla.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS
+from mla.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS, LADDER_ROPE_STRATEGY
 from mla.training.config import TrainConfig
 
 RESERVED_NAMES = ("original", "baseline")
@@ -139,6 +141,16 @@ class Variant:
     def inference_path(self) -> str:
         """The inference measurements' JSON (decode speed, quantized caches, LongBench)."""
         return f"results/evaluate/{self.model}/{self.start}/{self.recipe}/inference.json"
+
+    @property
+    def export_dir(self) -> str:
+        """The fine-tuned checkpoint in the DeepSeek-V3 format (evaluate.serve, ladder variants)."""
+        return f"results/export/{self.model}/{self.start}/{self.recipe}"
+
+    @property
+    def serve_path(self) -> str:
+        """vLLM's measurements of the export and of the original model (evaluate.serve)."""
+        return f"results/evaluate/{self.model}/{self.start}/{self.recipe}/serve.json"
 
 
 def _rope_dims_text(v: Variant) -> str:
@@ -460,16 +472,25 @@ class Study:
         """evaluate.inference: the inference measurements are part of `all` and of the tables."""
         return bool(self.config["evaluate"].get("inference", False))
 
+    def served(self, experiment: str | None = None) -> list[Variant]:
+        """The variants evaluate.serve serves (of one experiment, or all): converted with rope_strategy ladder."""
+        if not self.config["evaluate"].get("serve", False):
+            return []
+        return [v for v in (self.experiment(experiment) if experiment else self.variants)
+                if not v.is_baseline and v.rope_strategy == LADDER_ROPE_STRATEGY]
+
     def inference_targets(self) -> list[str]:
-        """Every checkpoint's inference.json (the target `snakemake inference`)."""
-        return list(dict.fromkeys(path for e in self.config["experiments"] for _, path in self.inference_measured(e)))
+        """Every checkpoint's inference.json and each served variant's serve.json (the target `snakemake
+        inference`)."""
+        paths = [path for e in self.config["experiments"] for _, path in self.inference_measured(e)]
+        return list(dict.fromkeys(paths + [v.serve_path for v in self.served()]))
 
     def targets(self) -> list[str]:
         out = []
         for e in self.config["experiments"]:
             out += [path for _, path, _ in self.evaluated(e)]
             if self.measures_inference:
-                out += [path for _, path in self.inference_measured(e)]
+                out += [path for _, path in self.inference_measured(e)] + [v.serve_path for v in self.served(e)]
             out += [f"results/tables/{e}.csv", f"results/tables/{e}.md"]
         return list(dict.fromkeys(out)) + ["results/figures/loss.png", "results/figures/loss.pdf"]
 

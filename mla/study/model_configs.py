@@ -47,6 +47,6 @@ def model_config(config: dict, name: str, results: str | Path = "results") -> di
         except Exception:   # offline without a cached copy, gated, unknown repo: the check is skipped
             return None
     if source == "tiny-random":
-        kwargs = {"num_kv_heads": model["num_kv_heads"]} if "num_kv_heads" in model else {}
+        kwargs = {k: model[k] for k in ("num_kv_heads", "head_dim") if k in model}
         return tiny_models.tiny_llama(**kwargs).config.to_dict()
     return None

@@ -58,16 +58,19 @@ def paper_row(v: experiments.Variant | None) -> str:
 
 def table_spec(config: dict, experiment: str) -> dict:
     """An experiment's table: the original model (if evaluated), its variants and the baseline, with
-    the inference measurements when evaluate.inference asks for them."""
+    the inference measurements (and vLLM's, evaluate.serve) when evaluate.inference asks for them."""
     study = experiments.Study(config)
     exp = config["experiments"][experiment]
     label = model_label(config, exp["model"])
     inference = dict(study.inference_measured(experiment)) if study.measures_inference else {}
+    served = {v.name: v.serve_path for v in study.served(experiment)} if study.measures_inference else {}
     variants = []
     for name, path, v in study.evaluated(experiment):
         row = {"name": name, "eval": path, "paper_row": paper_row(v)}
         if name in inference:
             row["inference"] = inference[name]
+        if name in served:
+            row["serve"] = served[name]
         if v is not None:
             row.update(label=v.label, metrics=f"{v.run_dir}/metrics.csv", run_json=f"{v.run_dir}/run.json")
             if not v.is_baseline:
@@ -86,6 +89,8 @@ def table_inputs(config: dict, experiment: str) -> dict[str, str]:
         inputs[f"eval_{name}"] = row["eval"]
         if "inference" in row:
             inputs[f"inference_{name}"] = row["inference"]
+        if "serve" in row:
+            inputs[f"serve_{name}"] = row["serve"]
         if v is not None:
             inputs[f"metrics_{name}"] = row["metrics"]
             if not v.is_baseline:

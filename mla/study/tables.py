@@ -5,6 +5,8 @@ An experiment is a list of variants; each variant may bring
     it may hold the inference measurements too);
   - `inference`: optional, the inference measurements' JSON (`mla evaluate --part inference`: decode speed,
     quantized caches, pass keys with them, LongBench), whose sections complete `eval`'s;
+  - `serve`: optional, vLLM's measurements of the variant's DeepSeek-V3 export and of its original model
+    (`mla serve-bench`, evaluate.serve): decode tokens/s of both, KV bytes per token of both, greedy agreement;
   - `conversion`: the conversion.json written by `mla convert` (params_before/after,
     kv_elements_per_token_before/after, kv_ratio);
   - `metrics`: the training metrics.csv (step-1 train loss = the first logged loss, before any update: the
@@ -55,6 +57,7 @@ class Variant:
     d_kv: int | None = None
     eval: Path | None = None
     inference: Path | None = None
+    serve: Path | None = None
     conversion: Path | None = None
     metrics: Path | None = None
     label: str | None = None                 # shown in a `label` column when any variant has one
@@ -119,6 +122,19 @@ def _decode_summary(decode: dict | None) -> tuple[float | None, float | None, st
 
 
 INFERENCE_SECTIONS = ("decode", "kv_quant")
+SERVED_COLUMNS = ["vLLM decode tok/s", "vLLM decode tok/s (original)", "vLLM at BxT", "vLLM KV bytes/token",
+                  "vLLM KV bytes/token (original)", "vLLM greedy agreement %"]
+
+
+def _served_cells(served: dict) -> list | None:
+    """The SERVED_COLUMNS of a serve.json: speed at the largest B·T of its grid, KV bytes, token agreement."""
+    if not served:
+        return None
+    points = served.get("decode") or []
+    best = max(points, key=lambda d: d["batch"] * d["context"]) if points else {}
+    return [best.get("export_tokens_per_s"), best.get("original_tokens_per_s"),
+            f"{best['batch']}x{best['context']}" if best else None, served["export"]["kv_bytes_per_token"],
+            served["original"]["kv_bytes_per_token"], 100 * served["greedy_agreement"]["token_agreement"]]
 
 
 def merged_evaluation(quality: dict, inference: dict) -> dict:
@@ -174,6 +190,7 @@ def collect(variants: list[Variant]) -> list[dict]:
             "mmlu_cloze": mmlu.get("acc_norm"), "mmlu_cloze_se": mmlu.get("acc_norm_stderr"),
             "decode_speedup": speed, "decode_predicted": pred, "decode_at": at,
             "label": v.label, "kv_quant": ev.get("kv_quant"), "decode": ev.get("decode"),
+            "served": _served_cells(_read_json(v.serve) if v.serve else {}),
             "needle": ((ev.get("long_context") or {}).get("needle") or {}),
             "key_argmax": scored.get("mean_all_argmax"), "key_argmax_se": scored.get("mean_all_argmax_stderr"),
             "key_logprob": scored.get("mean_key_logprob"), "key_logprob_se": scored.get("mean_key_logprob_stderr"),
@@ -237,6 +254,9 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
     if have["decode_speedup"]:
         header += ["decode speedup", "predicted S(B,T)", "at BxT"]
     cache_rows = any((r["kv_quant"] or {}).get("bits") for r in raw)
+    served = any(r["served"] for r in raw)
+    if served:
+        header += SERVED_COLUMNS
     if cache_rows:
         header += CACHE_COLUMNS
     passkey = any(r["needle"] for r in raw)
@@ -280,6 +300,8 @@ def build_table(variants: list[Variant], paper_model: str | None = None) -> tupl
             row += _mmlu_cloze_cells(r, paper, paper_model)
         if have["decode_speedup"]:
             row += [r["decode_speedup"], r["decode_predicted"], r["decode_at"]]
+        if served:
+            row += r["served"] or [None] * len(SERVED_COLUMNS)
         if cache_rows:
             full = ((r["kv_quant"] or {}).get("bits") or {}).get("16") or {}
             row += [16 if full else None, full.get("mean_loss"), full.get("mean_loss_stderr"), None, None,
@@ -397,6 +419,10 @@ def _fmt(value, column: str) -> str:
         return str(int(value))
     if column == "KV bytes/token":
         return f"{value:,.1f}"
+    if column.startswith(("vLLM decode", "vLLM KV")):
+        return f"{value:,.0f}"
+    if column == "vLLM greedy agreement %":
+        return f"{value:.1f}"
     if column in ("cache-decoded loss", "Δ loss vs 16-bit"):
         return f"{value:.4f}" if column.startswith("cache") else f"{value:+.4f}"
     if column.startswith(("KV mem", "Δ KV")):
@@ -435,7 +461,8 @@ def write_table(header, rows, out: str | Path, title: str | None = None, notes: 
 
 
 def table_notes(paper_model: str | None, model_name: str | None, variants: list[Variant] = (),
-                any_mmlu_cloze: bool = False, any_cache_rows: bool = False) -> list[str]:
+                any_mmlu_cloze: bool = False, any_cache_rows: bool = False,
+                any_served: bool = False) -> list[str]:
     notes = [f"KV mem. change: cached elements per token vs the original model. Step-1 train loss: the first "
              f"batch's loss before any update (right after conversion and fit). Final train loss: mean of "
              f"the last {FINAL_LOSS_STEPS} logged steps. Benchmark scores in %, zero-shot acc_norm; Avg = "
@@ -456,6 +483,12 @@ def table_notes(paper_model: str | None, model_name: str | None, variants: list[
                      "token quantized). Cache-decoded loss: the last tokens of held-out blocks decoded one at a "
                      "time against the cache; Δ loss vs 16-bit: mean of per-block differences ± its SE. "
                      "Pass-key acc: offline needle-in-a-haystack retrieval, mean over the prompt lengths, ± binomial SE.")
+    if any_served:
+        notes.append("vLLM columns (evaluate.serve): the checkpoint exported to the DeepSeek-V3 format and its original "
+                     "model served by vLLM the same way (bf16): decode tokens/s of each at the largest batch x "
+                     "context measured, the KV cache's bytes per token as vLLM allocated it for each, and the share "
+                     "of greedy tokens (before each prompt's first difference) in which vLLM on the export agrees "
+                     "with transformers on the MLA checkpoint.")
     if any_mmlu_cloze:
         notes.append(f"{MMLU_CLOZE}: the paper's zero-shot MMLU prompt (\"The following are questions about "
                      f"{{topic}}. Question: … Answer:\", answer texts as choices, acc_norm) on a sample of "

@@ -9,7 +9,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
-from mla.study import budgets, config_file, evaluation_jobs, experiments, reports
+from mla.study import budgets, config_file, evaluation_jobs, experiments, reports, serve_check
 from mla.study.config_schema import config_problems
 from mla.study.train_options import WORKFLOW_NAMES, workflow_options
 
@@ -76,8 +76,10 @@ def download_args(wc):
         args += ["--path", model["path"]]
     elif source == "mha-from-gqa":
         args += ["--path", model_dir(model["from"])]
-    elif source == "tiny-random" and "num_kv_heads" in model:
-        args += ["--num-kv-heads", str(model["num_kv_heads"])]
+    elif source == "tiny-random":   # the same args as before head_dim existed: params unchanged, nothing reruns
+        for key in ("num_kv_heads", "head_dim"):
+            if key in model:
+                args += [f"--{key.replace('_', '-')}", str(model[key])]
     return " ".join(shlex.quote(a) for a in args)
 
 
@@ -211,3 +213,10 @@ def prefetch_args():
     e = config["evaluate"]
     return (("--mmlu " if e["mmlu"] != 0 else "") + f"--paper-tasks {e['paper_tasks']}"
             + (" --longbench auto" if e["longbench"] == "auto" else ""))
+
+
+# ---------------------------------------------------------------- serve rules (evaluate.serve)
+def serve_args():
+    s = evaluation_jobs.serve_settings(config)
+    return (f"--decode-grid {' '.join(s['decode_grid'])} --decode-steps {s['decode_steps']}"
+            f" --prompts {s['prompts']} --max-tokens {s['max_tokens']}")

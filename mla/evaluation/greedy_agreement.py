@@ -3,7 +3,7 @@
 Two bf16 engines sum in different orders, so their greedy paths may part where two logits are a near-tie;
 anywhere else a difference is a bug. `compare` finds each prompt's first differing step and measures
 transformers' own margin there: its logit for its token minus its logit for the other engine's token.
-Runs in the project's venv (transformers' DeepseekV3ForCausalLM or any causal LM it loads natively).
+Runs in the project's venv (transformers' DeepseekV3ForCausalLM, an MLA checkpoint or any causal LM it loads).
 """
 
 from __future__ import annotations
@@ -22,16 +22,24 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int, dtype: str =
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return greedy_with_logits(model, prompts, max_tokens)
+
+
+def greedy_with_logits(model, prompts: list[list[int]], max_tokens: int):
+    """hf_greedy on a loaded model (on its device)."""
+    import torch
+
+    device = next(model.parameters()).device
     tokens, logits = [], []
     with torch.no_grad():
         for prompt in prompts:
-            out = model(torch.tensor([prompt]), use_cache=True)
+            out = model(torch.tensor([prompt], device=device), use_cache=True)
             steps, chosen = [], []
             for _ in range(max_tokens):
                 row = out.logits[0, -1].float()
-                steps.append(row)
+                steps.append(row.cpu())
                 chosen.append(int(row.argmax()))
-                out = model(torch.tensor([[chosen[-1]]]), cache=out.cache, use_cache=True)
+                out = model(torch.tensor([[chosen[-1]]], device=device), cache=out.cache, use_cache=True)
             tokens.append(chosen)
             logits.append(torch.stack(steps))
     return tokens, logits
