@@ -313,3 +313,23 @@ def test_paper_plus_overlays_the_papers_experiments_at_the_same_cache_widths():
         assert widths[0] == widths[1]
         assert all(v.rope_strategy == "rotated" and v.latent == "per_head" and v.whiten and v.fit for v in plus)
         assert [v.train for v in base] == [v.train for v in plus]     # the same recipe: only the conversion differs
+
+
+def test_paper_serve_overlay_serves_llama2_in_deepseeks_own_shape():
+    """configs/paper-serve.yaml after configs/paper.yaml: one Llama-2-7B variant at DeepSeek's 512 latent + 64 RoPE
+    in the ladder layout, the one variant evaluate.serve exports and serves; the paper's experiments unchanged."""
+    from mla import shapes
+    from mla.conversion import layout
+
+    paper = yaml.safe_load((ROOT / "configs/paper.yaml").read_text())
+    overlay = yaml.safe_load((ROOT / "configs/paper-serve.yaml").read_text())
+    merged = copy.deepcopy(paper)
+    merged["experiments"].update(overlay["experiments"])
+    merged["evaluate"].update(overlay["evaluate"])
+    assert set(overlay) == {"experiments", "evaluate"}
+    study = experiments.Study(validated(merged))
+    served = study.served()
+    assert [(v.experiment, v.model, v.rope_strategy) for v in served] == [("mha2mla-serve", "llama2-7b", "ladder")]
+    resolved = layout.resolve(shapes.read_config("llama-2-7b"), **served[0].budget())
+    assert (resolved.kv_lora_rank, resolved.rope_dims) == (512, 64)       # what FlashMLA takes, unpadded
+    assert [v.name for v in study.experiment("mha2mla")] == [v.name for v in experiments.Study(validated(paper)).experiment("mha2mla")]
