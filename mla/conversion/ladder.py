@@ -47,9 +47,8 @@ class Ladder:
 
 
 def ladder_for(head_dim: int) -> Ladder:
-    """The ladder of a model's head size (module docstring)."""
-    if head_dim <= 2 * ROPE_SLOTS:
-        return Ladder(head_dim, 1, 2 * ROPE_SLOTS / head_dim)
-    if head_dim % (2 * ROPE_SLOTS) == 0:
+    """The ladder of a model's head size (module docstring): a stride over the pairs when d_h is a multiple of 64
+    above it, else every pair from the fastest with theta' rescaled (d_h <= 64 and the uneven sizes alike)."""
+    if head_dim > 2 * ROPE_SLOTS and head_dim % (2 * ROPE_SLOTS) == 0:
         return Ladder(head_dim, head_dim // (2 * ROPE_SLOTS), 1.0)
     return Ladder(head_dim, 1, 2 * ROPE_SLOTS / head_dim)
