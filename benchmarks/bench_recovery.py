@@ -68,7 +68,8 @@ class Method:
 
 
 def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,),
-             only_splits: bool = False, split_latent: str = "shared", ladder: int = 0) -> list[Method]:
+             only_splits: bool = False, split_latent: str = "shared", ladder: int = 0,
+             split_strategy: str = "rotated") -> list[Method]:
     """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits (only those: `only_splits`).
     `ladder` > 0: beside each rotated row of at most that many components, the same width in the ladder layout
     (one component per frequency, DeepSeek's RoPE ladder: what `mla export` needs), so its cost shows."""
@@ -93,9 +94,9 @@ def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per
         split = dict(kv_width=width, rope_share=str(Fraction(dims, width)), svd="joint")
         if dims == 2 * n_kv * r:          # the split of the rows above
             split = dict(rotated)
-        methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims (rotated, {dims // 2} components)"
-                              f" + latent {width - dims}", dict(split, strategy="rotated", latent=split_latent),
-                              whiten=True))
+        methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims ({split_strategy}, {dims // 2} "
+                              f"components) + latent {width - dims}",
+                              dict(split, strategy=split_strategy, latent=split_latent), whiten=True))
         if only_splits or dims != 2 * n_kv * r:       # else the ladder row above stands beside this split
             methods += on_ladder(dict(split, latent=split_latent), dims // 2)
         if dims in per_head_splits and dims % (2 * n_kv) == 0:
@@ -207,6 +208,7 @@ def run(model, train_blocks, valid_blocks, methods: list[Method], *, calibration
         log(f"{method.name}: {row['loss_after_conversion']:.3f} ({change:+.3f} ± {change_se:.3f}) "
             f"[{row['rope_dims_per_layer']} RoPE + {row['latent_per_layer']} latent] {row['seconds']} s"
             + (f" ({note})" if note else "")
+            + ("" if fit_losses is None else f"; after fit {row['loss_after_fit']:.3f}")
             + "".join(f"; pass key {when}: {_passkey_text(pk)}" for when, pk in
                       (("after conversion", passkey), ("after fit", passkey_fit)) if pk))
         rows.append(row)
@@ -270,7 +272,8 @@ def layer_fit(settings, heldout_blocks) -> Callable:
 
     def fit(converted, original, train_blocks):
         fitted = copy.deepcopy(converted)
-        train = np.asarray(train_blocks[:settings.blocks], dtype=np.int64)
+        from mla.conversion.fit import join_blocks
+        train = join_blocks(train_blocks, settings.span, settings.blocks)
         fit_model(original, fitted, train, heldout_blocks, settings, log=lambda *a, **k: None)
         return fitted
 
@@ -302,12 +305,18 @@ def main() -> None:
     p.add_argument("--fit-blocks", type=int, default=32, help="training blocks the fit reads (the first)")
     p.add_argument("--fit-batch", type=int, default=4)
     p.add_argument("--fit-heldout", type=int, default=8, help="held-out blocks of the fit's own report")
+    p.add_argument("--fit-echo", type=int, default=0, help="tokens of each fit sequence's first half repeated "
+                   "in its second half (0: none)")
+    p.add_argument("--fit-span", type=int, default=1, help="consecutive blocks joined into one fit sequence "
+                   "(--fit-blocks and --fit-heldout then count sequences)")
     p.add_argument("--passkey", type=int, default=0, metavar="N",
                    help="teacher-forced pass keys per length after conversion and fit (0: none)")
     p.add_argument("--passkey-lengths", type=int, nargs="+", default=[256, 512])
     p.add_argument("--only-splits", action="store_true", help="measure only the width splits (the RoPE budget)")
     p.add_argument("--split-latent", choices=("shared", "per_head"), default="shared",
                    help="latent layout of the split rows (default shared, as in the recovery ablation)")
+    p.add_argument("--split-strategy", choices=("rotated", "ladder"), default="rotated",
+                   help="RoPE layout of the split rows (default rotated)")
     p.add_argument("--ladder", action="store_true",
                    help="beside each rotated row, the ladder layout at the same width (one RoPE component per "
                         "frequency: what `mla export --format deepseek_v3` needs), to show its cost")
@@ -319,18 +328,19 @@ def main() -> None:
     n_kv = model.config.num_key_value_heads
     ladder = len(ladder_for(model.config.head_dim).pairs) if args.ladder else 0
     methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits),
-                       only_splits=args.only_splits, split_latent=args.split_latent, ladder=ladder)
+                       only_splits=args.only_splits, split_latent=args.split_latent, ladder=ladder,
+                       split_strategy=args.split_strategy)
     fit = None
     if args.fit_steps:
         import numpy as np
 
-        from mla.conversion.fit import FitSettings
-        from mla.stats import evenly_spaced
+        from mla.conversion.fit import FitSettings, join_blocks
 
         settings = FitSettings(steps=args.fit_steps, lr=args.fit_lr, blocks=args.fit_blocks, batch=args.fit_batch,
-                               heldout=args.fit_heldout)
+                               heldout=args.fit_heldout, span=args.fit_span,
+                               echo=args.fit_echo)
         valid = open_blocks(args.data, "validation")
-        fit = layer_fit(settings, np.asarray(valid[evenly_spaced(len(valid), args.fit_heldout)], dtype=np.int64))
+        fit = layer_fit(settings, join_blocks(valid, args.fit_span, args.fit_heldout, evenly=True))
     retrieval = None
     if args.passkey:
         retrieval = passkey_scorer(checkpoint.load_tokenizer(args.model), args.passkey_lengths, args.passkey)

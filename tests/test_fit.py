@@ -200,6 +200,10 @@ def test_bad_fit_inputs_stop_with_a_message_naming_the_cause(pair, data_dir, tmp
     assert "--blocks must be a positive integer, got -1" in error_of("--blocks", "-1")
     assert "--heldout must be a positive integer, got 0" in error_of("--heldout", "0")
     assert "--lr must be positive" in error_of("--lr", "0")
+    assert "--span must be a positive integer, got 0" in error_of("--span", "0")
+    assert "--echo must be 0 or more tokens, got -2" in error_of("--echo", "-2")
+    message = error_of("--echo", str(LENGTH), "--blocks", "4", "--heldout", "2")
+    assert f"--echo {LENGTH}" in message and f"at most {LENGTH // 2}" in message
     message = error_of(data=tmp_path / "nowhere")
     assert "--data" in message and "no such folder" in message and "training blocks" in message
     assert "not a data folder made by `mla data`" in error_of(data=tmp_path)
@@ -256,3 +260,50 @@ def test_a_layer_the_fit_makes_worse_keeps_its_converted_weights():
         assert entry["error_after"] == entry["error_before"] < 1e-8
     with torch.no_grad():
         assert torch.allclose(converted(input_ids=ids).logits, reference, atol=1e-4)
+
+
+def test_span_joins_consecutive_blocks_into_running_text(data_dir):
+    """--span 3: the fit reads sequences of 3 consecutive train blocks (the first `blocks` of them) and held-out
+    sequences of 3 consecutive validation blocks from evenly spaced starts, each the data's own token order."""
+    from mla.data import open_blocks
+
+    train, valid = open_blocks(data_dir, "train"), open_blocks(data_dir, "validation")
+    seqs, held = fit.select_blocks(data_dir, fit.FitSettings(blocks=5, heldout=4, span=3), log=lambda *a: None)
+    assert seqs.shape == (5, 3 * LENGTH) and held.shape == (4, 3 * LENGTH)
+    for i in range(5):
+        assert np.array_equal(seqs[i], np.concatenate([train[3 * i + j] for j in range(3)]))
+    starts = [next(s for s in range(len(valid) - 2) if np.array_equal(h[:LENGTH], valid[s])) for h in held]
+    assert starts[0] == 0 and starts[-1] == len(valid) - 3 and starts == sorted(set(starts))
+    for h, s in zip(held, starts):
+        assert np.array_equal(h, np.concatenate([valid[s], valid[s + 1], valid[s + 2]]))
+    one, _ = fit.select_blocks(data_dir, fit.FitSettings(blocks=5, heldout=4), log=lambda *a: None)
+    assert np.array_equal(one, np.asarray(train[:5]))          # span 1: the blocks as they are
+
+
+def test_echo_repeats_a_span_of_the_first_half_in_the_second():
+    ids = torch.as_tensor(_blocks(3, 50))
+    echoed = fit.with_echoes(ids, 6, seed=0)
+    assert torch.equal(ids, torch.as_tensor(_blocks(3, 50)))    # the input is left as it was
+    half = LENGTH // 2
+    places = set()
+    for row, new in zip(ids, echoed):
+        changed = (row != new).nonzero().flatten().tolist()
+        assert all(half <= c < LENGTH for c in changed)          # only the second half is written
+        b = next(b for b in range(half, LENGTH - 5) if any(torch.equal(new[b:b + 6], row[a:a + 6]) for a in range(half - 5))
+                 and (not changed or b <= changed[0]))
+        places.add(b)
+    assert len(places) > 5                                       # random places, not one
+    assert torch.equal(fit.with_echoes(ids, 6, seed=0), echoed)  # and the same ones for the same seed
+    assert torch.equal(fit.with_echoes(ids, 0, seed=0), ids)
+    with pytest.raises(ValueError, match="at least 40 tokens"):
+        fit.with_echoes(ids, 20, seed=0)
+
+
+def test_a_fit_with_span_and_echo_writes_its_settings(pair, data_dir, tmp_path):
+    source, converted = pair
+    out = tmp_path / "fitted"
+    settings = fit.FitSettings(steps=4, lr=1e-3, blocks=4, batch=2, heldout=2, span=2, echo=8)
+    report = fit.fit_checkpoint(source, converted, data_dir, out, settings, device="cpu", log=lambda *a: None)
+    assert report["block_length"] == 2 * LENGTH and report["train_blocks"] == 4 and report["heldout_blocks"] == 2
+    assert json.loads((out / "fit.json").read_text())["settings"]["echo"] == 8
+    assert load_model(out).config.mha2mla["fit"]["span"] == 2

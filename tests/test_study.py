@@ -44,10 +44,10 @@ def test_short_form_names_labels_and_paths():
                                            "GQA2MLA d_kv = 16: 36 RoPE + 36 latent",
                                            "GQA2MLA d_kv = 32: 48 RoPE + 72 latent", "GQA"]
     v8 = variants[0]
-    assert v8.whiten and v8.latent == "per_head"   # activation-aware SVD, rotated RoPE, a layer fit
-    assert v8.conversion == "rotated-kv48-rope24-joint-white"
-    assert v8.convert_dir == "results/convert/smollm2-135m/rotated-kv48-rope24-joint-white"
-    assert v8.fit_dir == f"results/fit/smollm2-135m/rotated-kv48-rope24-joint-white/{v8.fit_key}"
+    assert v8.whiten and v8.latent == "per_head"   # activation-aware SVD, ladder RoPE, a layer fit
+    assert v8.conversion == "ladder-kv48-rope24-joint-white"
+    assert v8.convert_dir == "results/convert/smollm2-135m/ladder-kv48-rope24-joint-white"
+    assert v8.fit_dir == f"results/fit/smollm2-135m/ladder-kv48-rope24-joint-white/{v8.fit_key}"
     assert v8.run_dir == f"results/finetune/smollm2-135m/{v8.conversion}-{v8.fit_key}/{v8.recipe}"
     assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
     assert variants[-1].is_baseline and variants[-1].conversion is None
@@ -67,7 +67,7 @@ def test_named_variants_with_their_own_settings_and_overrides():
     assert (hs.d_kv, hs.rope_strategy, hs.svd, hs.train["lr"], hs.label) == (8, "high", "split", 3e-4,
                                                                               "S_high + SVD_split")
     assert hs.recipe != by_name["dkv8"].recipe            # another learning rate: another training run
-    assert by_name["dkv16"].conversion == "rotated-r4-joint-dkv16"
+    assert by_name["dkv16"].conversion == "ladder-r4-joint-dkv16"
     ro = by_name["rope-only"]
     assert (ro.d_kv, ro.r, ro.conversion, ro.paper) == (None, 2, "uniform-r2-none", "S_uniform")
     assert experiments.variant_errors(cfg) == []
@@ -207,7 +207,7 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
         v = by_name[name]
         assert v.fit is None and (v.start, v.run_dir) == (before[name].start, before[name].run_dir)
     v16 = by_name["dkv16"]
-    assert v16.fit == {"steps": 10, "lr": 1e-3, "blocks": 64, "batch": 8, "heldout": 64}
+    assert v16.fit == {"steps": 10, "lr": 1e-3, "blocks": 64, "batch": 8, "heldout": 64, "span": 1, "echo": 0}
     assert v16.conversion == before["dkv16"].conversion        # the fit starts from the same conversion
     assert v16.fit_dir == f"results/fit/smollm2-135m/{v16.conversion}/{v16.fit_key}" == v16.start_dir
     assert v16.start == f"{v16.conversion}-{v16.fit_key}" and v16.run_dir != before["dkv16"].run_dir
@@ -238,6 +238,12 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
     ({"fit": {"step": 10}}, "experiments.gqa2mla.fit", "'step' was unexpected"),
     ({"fit": {"heldout": 513}}, "experiments.gqa2mla.fit.heldout", "data.validation_tokens holds 512 blocks"),
     ({"overrides": {"dkv8": {"fit": {"blocks": 10000}}}}, "data.max_tokens", "fit.blocks 10000 blocks x 128"),
+    ({"fit": {"span": 0}}, "experiments.gqa2mla.fit.span", "less than the minimum of 1"),
+    ({"fit": {"echo": -1}}, "experiments.gqa2mla.fit.echo", "less than the minimum of 0"),
+    ({"fit": {"echo": 65}}, "experiments.gqa2mla.fit.echo", "fit sequence of 128 tokens"),
+    ({"fit": {"heldout": 129, "span": 4}}, "experiments.gqa2mla.fit.heldout", "129 held-out sequences of 4 blocks"),
+    ({"overrides": {"dkv8": {"fit": {"blocks": 2500, "span": 4}}}}, "data.max_tokens",
+     "fit.blocks 2500 sequences x 4 blocks x 128"),
 ])
 def test_bad_fits_are_named_before_any_job(change, key, message):
     from mla.study.config_schema import config_problems

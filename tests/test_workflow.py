@@ -257,7 +257,7 @@ def test_a_fitted_variant_is_fitted_between_its_conversion_and_its_fine_tuning(t
     finetune = next(b for b in re.split(r"\n(?=\[.*\]\n)", out) if "rule finetune:" in b and f"start={v.start}," in b)
     assert re.search(rf"input: {re.escape(v.fit_dir)}, ", finetune), finetune
     assert (f"fit --model {v.convert_dir} --source results/models/{v.model} --data results/data/{v.model} "
-            f"--out {v.fit_dir} --steps 3 --lr 0.003 --blocks 4 --batch 2 --heldout 4 --device cpu") in out
+            f"--out {v.fit_dir} --steps 3 --lr 0.003 --blocks 4 --batch 2 --heldout 4 --span 1 --echo 0 --device cpu") in out
 
 
 def test_the_fit_rule_writes_a_fitted_checkpoint(tmp_path):

@@ -68,11 +68,15 @@ class FitSettings:
     batch: int = FIT_DEFAULTS["batch"]        # blocks per step (and per forward pass elsewhere)
     heldout: int = FIT_DEFAULTS["heldout"]    # validation blocks (evenly spaced) for errors and losses
     seed: int = 0                             # the order in which each layer's steps draw blocks
+    span: int = FIT_DEFAULTS["span"]          # consecutive data blocks joined into one fit sequence: heads
+                                              # that attend far are fitted only on sequences as long as their reach
+    echo: int = FIT_DEFAULTS["echo"]          # tokens of each training sequence's first half repeated in its second
+                                              # half (0: none): copying from far back, what pass-key retrieval does
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "seed" and not value > 0:
+            if f.name not in ("seed", "echo") and not value > 0:
                 raise ValueError(f"fit setting {f.name} must be positive, got {value}")
 
 
@@ -149,6 +153,27 @@ def teacher_pass(layer, kwargs: dict, h: torch.Tensor, batch: int, keep: bool = 
         for handle in handles:
             handle.remove()
     return x, y
+
+
+# ---------------------------------------------------------------- what the fit reads
+def with_echoes(ids: torch.Tensor, echo: int, seed: int) -> torch.Tensor:
+    """A copy of token sequences [N, T] in which each sequence repeats `echo` of its tokens: a span from its
+    first half written again at a random place in its second half. The source model's induction heads copy
+    such a span by attending back to its first occurrence, as pass-key retrieval does over the filler; fitted
+    on these, the converted layers must reproduce that far attention, which running text of one block rarely asks."""
+    n, length = ids.shape
+    if echo <= 0:
+        return ids
+    if 2 * echo > length:
+        raise ValueError(f"fit echo {echo} needs sequences of at least {2 * echo} tokens, got {length}")
+    rng = np.random.default_rng([seed, 7919])
+    out = ids.clone()
+    half = length // 2
+    for i in range(n):
+        a = int(rng.integers(0, half - echo + 1))
+        b = int(rng.integers(half, length - echo + 1))
+        out[i, b:b + echo] = ids[i, a:a + echo]
+    return out
 
 
 # ---------------------------------------------------------------- one layer
@@ -294,6 +319,7 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
     if len(layers_src) != len(layers_conv):
         raise ValueError(f"the source has {len(layers_src)} layers, the converted model {len(layers_conv)}")
     train_ids, held_ids = _as_ids(train_blocks), _as_ids(heldout_blocks)
+    train_ids = with_echoes(train_ids, settings.echo, settings.seed)
     if train_ids.shape[0] == 0 or held_ids.shape[0] == 0:
         raise ValueError("fitting needs at least one training block and one held-out block")
     if train_ids.shape[1] != held_ids.shape[1]:
@@ -378,9 +404,25 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
 
 
 # ---------------------------------------------------------------- checkpoints on disk
+def join_blocks(blocks, span: int, count: int | None = None, evenly: bool = False) -> np.ndarray:
+    """Sequences of `span` consecutive blocks [N, T] joined end to end -> [count, span·T]: the first `count`
+    (default all that fit) or, with `evenly`, `count` starting points spread evenly over the blocks.
+    Packed blocks continue one another (mla/data), so a joined sequence is running text."""
+    starts_available = len(blocks) - span + 1
+    if starts_available <= 0:
+        return np.zeros((0, span * (len(blocks[0]) if len(blocks) else 0)), dtype=np.int64)
+    if evenly:
+        starts = evenly_spaced(starts_available, min(count or starts_available, starts_available))
+    else:
+        starts = np.arange(0, min(len(blocks) // span, count or len(blocks)) * span, span)
+    return np.stack([np.concatenate([np.asarray(blocks[s + j], dtype=np.int64) for j in range(span)])
+                     for s in starts]) if len(starts) else np.zeros((0, 0), dtype=np.int64)
+
+
 def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tuple[np.ndarray, np.ndarray]:
-    """The fit's token blocks from a `mla data` folder: the first `settings.blocks` of the train split (as
-    `mla calibrate` reads them) and `settings.heldout` validation blocks evenly spaced (as perplexity does)."""
+    """The fit's token sequences from a `mla data` folder: the first `settings.blocks` of the train split (as
+    `mla calibrate` reads them) and `settings.heldout` validation blocks evenly spaced (as perplexity does);
+    with `settings.span` > 1, each sequence is that many consecutive blocks joined."""
     if not Path(data_dir).is_dir():
         raise UserError(f"--data {data_dir}: no such folder (fitting needs training blocks from `mla data`)")
     train, valid = open_blocks(data_dir, "train"), open_blocks(data_dir, "validation")
@@ -388,13 +430,21 @@ def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tup
         raise UserError(f"--data {data_dir} holds no train blocks: fitting needs calibration data")
     if len(valid) == 0:
         raise UserError(f"--data {data_dir} holds no validation blocks for the held-out errors (--heldout)")
-    n, m = min(settings.blocks, len(train)), min(settings.heldout, len(valid))
-    if n < settings.blocks:
-        log(f"note: only {n} train blocks available, fitting on all of them (asked for {settings.blocks})")
-    if m < settings.heldout:
-        log(f"note: only {m} validation blocks available (asked for {settings.heldout})")
-    return (np.array(train[:n], dtype=np.int64),
-            np.array(valid[evenly_spaced(len(valid), m)], dtype=np.int64))
+    span = settings.span
+    if span > 1:
+        train_seq = join_blocks(train, span, settings.blocks)
+        held_seq = join_blocks(valid, span, settings.heldout, evenly=True)
+        if len(train_seq) == 0 or len(held_seq) == 0:
+            raise UserError(f"fit span {span}: the data holds {len(train)} train and {len(valid)} validation blocks, "
+                            f"too few to join {span} of them")
+    else:
+        train_seq = np.array(train[:settings.blocks], dtype=np.int64)
+        held_seq = np.array(valid[evenly_spaced(len(valid), min(settings.heldout, len(valid)))], dtype=np.int64)
+    if len(train_seq) < settings.blocks:
+        log(f"note: only {len(train_seq)} train sequences available, fitting on all of them (asked for {settings.blocks})")
+    if len(held_seq) < settings.heldout:
+        log(f"note: only {len(held_seq)} validation sequences available (asked for {settings.heldout})")
+    return train_seq, held_seq
 
 
 def _fingerprint(folder: Path) -> dict:
@@ -430,6 +480,9 @@ def fit_checkpoint(source: str | Path, model: str | Path, data: str | Path, out:
     check_pair(shapes.read_config(source), shapes.read_config(model), model)
     where = devices.resolve_device(device, config_key="calibrate.device")       # before any loading
     train, heldout = select_blocks(data, settings, log=log)
+    if 2 * settings.echo > train.shape[1]:
+        raise UserError(f"--echo {settings.echo}: a training sequence of {train.shape[1]} tokens cannot repeat "
+                        f"{settings.echo} tokens of its first half in its second; use at most {train.shape[1] // 2}")
     dtype = devices.compute_dtype(where)
     identity = {"settings": asdict(settings), "dtype": str(dtype), "train": train.shape[0], "heldout": heldout.shape[0],
                 "source": _fingerprint(source), "model": _fingerprint(model),

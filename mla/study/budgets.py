@@ -47,8 +47,10 @@ def needs(config: dict, model: str) -> list[tuple[int, str]]:
         calibrated |= v.needs_calibration
     for v in experiments.Study(config).fits().values():
         if root_model(config, v.model) == root:
-            why = f"experiments.{v.experiment} {v.name}: fit.blocks {v.fit['blocks']} blocks x {length} tokens"
-            out.append((v.fit["blocks"] * length, why))
+            span = v.fit["span"]
+            what = "blocks" if span == 1 else f"sequences x {span} blocks"
+            why = f"experiments.{v.experiment} {v.name}: fit.blocks {v.fit['blocks']} {what} x {length} tokens"
+            out.append((v.fit["blocks"] * span * length, why))
     if calibrated:  # calibration (2-norm scores, input covariances) reads calibrate.samples training blocks
         samples = config["calibrate"]["samples"]
         out.append((samples * length, f"calibrate.samples: {samples} blocks x {length} tokens"))
@@ -80,15 +82,22 @@ def fit_key_path(config: dict, v) -> str:
 
 
 def fit_errors(config: dict) -> list[tuple[str, str]]:
-    """(config key, message) for a fit that asks for more held-out blocks than `data.validation_tokens` give."""
+    """(config key, message) for a fit that asks for more held-out blocks than `data.validation_tokens` give, or
+    that repeats more tokens (`echo`) than half its sequence holds."""
     errors = []
     for v in experiments.Study(config).fits().values():
         length = block_length(config, v.model)
         available = validation_tokens(config, v.model) // length
-        if v.fit["heldout"] > available:
+        if v.fit["heldout"] * v.fit["span"] > available:
+            what = "blocks" if v.fit["span"] == 1 else f"sequences of {v.fit['span']} blocks"
             errors.append((f"{fit_key_path(config, v)}.heldout",
-                           (f"{v.fit['heldout']} held-out blocks, but data.validation_tokens holds {available} "
+                           (f"{v.fit['heldout']} held-out {what}, but data.validation_tokens holds {available} "
                             f"blocks of {length} tokens; lower it or raise data.validation_tokens")))
+        sequence = v.fit["span"] * length
+        if 2 * v.fit["echo"] > sequence:
+            errors.append((f"{fit_key_path(config, v)}.echo",
+                           f"{v.fit['echo']} tokens cannot be repeated from the first half of a fit sequence of "
+                           f"{sequence} tokens (span x data.block_length) in its second: at most {sequence // 2}"))
     return errors
 
 

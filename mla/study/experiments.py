@@ -185,8 +185,13 @@ def fit_settings(fit: dict | None) -> dict | None:
     return None if fit is None else {k: fit.get(k, v) for k, v in FIT_DEFAULTS.items()}
 
 
+# fit settings added later: left out of the key at these values, so that earlier fits keep their folders
+_FIT_KEY_OMITTED_AT = {"span": 1, "echo": 0}
+
+
 def fit_key(settings: dict) -> str:
-    blob = json.dumps(fit_settings(settings), sort_keys=True)
+    full = fit_settings(settings)
+    blob = json.dumps({k: v for k, v in full.items() if _FIT_KEY_OMITTED_AT.get(k, object()) != v}, sort_keys=True)
     return "f" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
