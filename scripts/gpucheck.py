@@ -452,29 +452,19 @@ SERVE_CPU_SKIP = ("the CPU rehearsal leaves the vLLM part out (two engine starts
 def ladder_pair(folder: Path, *, tiny: bool, log) -> tuple[Path, Path, Path]:
     """A random Llama (SmolLM-135M's shape, or tiny with d_h 64: vLLM has no smaller head) saved as the original,
     its ladder conversion (the MLA checkpoint) and that conversion's DeepSeek-V3 export; conversion on the CPU."""
-    import torch
-
-    from mla.conversion import calibrate
-    from mla.conversion.convert import convert_model
     from mla.export import deepseek_v3
-    from mla.tiny_models import tiny_decoder, tiny_tokenizer
+    from mla.export.tiny import save_ladder_conversion, tiny_source
+    from mla.tiny_models import tiny_tokenizer
 
     shape = (dict(num_attention_heads=4, num_kv_heads=2, hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                   vocab_size=512, head_dim=64) if tiny else
              dict(num_attention_heads=9, num_kv_heads=3, hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
                   vocab_size=49152, head_dim=64))
-    model = tiny_decoder("llama", **shape)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10)   # logits spread over several units: a bf16 near-tie then means something
+    model = tiny_source("llama", **shape)
     original, mla_dir, export = folder / "original", folder / "mla", folder / "deepseek_v3"
-    tokenizer = tiny_tokenizer()
-    for path in (original, mla_dir):
-        tokenizer.save_pretrained(path)
     model.save_pretrained(original)
-    ids = torch.randint(1, 512, (6, 64), generator=torch.Generator().manual_seed(11))
-    scores = calibrate.calibration_pass(model, list(ids), batch_size=3)
-    converted, _ = convert_model(model, d_kv=8 if tiny else 32, r=4, strategy="ladder", scores=scores, svd="joint")
-    converted.save_pretrained(mla_dir)
+    tiny_tokenizer().save_pretrained(original)
+    save_ladder_conversion(model, mla_dir, d_kv=8 if tiny else 32, r=4, calibration_length=64)
     log(f"(s) {deepseek_v3.report_line(deepseek_v3.export_checkpoint(mla_dir, export))}")
     return original, mla_dir, export
 

@@ -8,9 +8,7 @@ from pathlib import Path
 import torch
 
 from mla.cli import main as mla_main
-from mla.conversion import calibrate
-from mla.conversion.convert import convert_model
-from mla.tiny_models import tiny_decoder, tiny_tokenizer
+from mla.export.tiny import save_ladder_conversion, tiny_source
 
 
 def ids(batch=2, length=24, seed=3):
@@ -19,16 +17,9 @@ def ids(batch=2, length=24, seed=3):
 
 def ladder_checkpoint(folder: Path, *, num_kv_heads=2, head_dim=64, svd="joint", latent="per_head", r=4,
                       strategy="ladder", model_type="llama", **config) -> Path:
-    """A tiny random model converted with `strategy` and saved with a tokenizer; its head is scaled up so that
-    logits span several units (a 1e-4 tolerance, or a bf16 near-tie, then means something)."""
-    model = tiny_decoder(model_type, num_kv_heads=num_kv_heads, head_dim=head_dim, **config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10)
-    cal = calibrate.calibration_pass(model, list(ids(batch=6, length=16, seed=11)), batch_size=3)
-    converted, _ = convert_model(model, d_kv=6, r=r, strategy=strategy, scores=cal, svd=svd, latent=latent)
-    converted.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    """A tiny random model (head scaled up: mla.export.tiny) converted with `strategy` at d_kv 6, with a tokenizer."""
+    model = tiny_source(model_type, num_kv_heads=num_kv_heads, head_dim=head_dim, **config)
+    return save_ladder_conversion(model, folder, d_kv=6, r=r, strategy=strategy, svd=svd, latent=latent)
 
 
 def export(src: Path, out: Path, *extra: str) -> int:
