@@ -65,7 +65,8 @@ def measure(python: Path, label: str, model: Path, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--deepseek", type=Path, help="DeepSeek-V3-format checkpoint (default: a tiny random one)")
+    p.add_argument("--deepseek", type=Path, help="DeepSeek-V3-format checkpoint (default: the export of a tiny random Llama's "
+                   "ladder conversion, mla/export/tiny.py)")
     p.add_argument("--llama", help="original Llama-family checkpoint to serve the same way, or 'smollm2'")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -85,8 +86,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         deepseek = args.deepseek
         if deepseek is None:
-            from mla.tiny_models import save_tiny_deepseek_v3
-            deepseek = save_tiny_deepseek_v3(Path(tmp) / "tiny-deepseek-v3")
+            from mla.export import deepseek_v3
+            from mla.export.tiny import save_ladder_conversion, tiny_source
+            mla_dir = save_ladder_conversion(tiny_source("llama", num_kv_heads=2, head_dim=64), Path(tmp) / "mla", d_kv=8)
+            deepseek = Path(tmp) / "tiny-deepseek-v3"
+            deepseek_v3.export_checkpoint(mla_dir, deepseek)
         results["deepseek_v3"] = measure(python, "DeepSeek-V3 format", deepseek, args)
         if args.llama:
             if args.llama == "smollm2":

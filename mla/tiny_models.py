@@ -74,36 +74,3 @@ def save_tiny_checkpoint(path: str | Path, **kwargs) -> Path:
     model.save_pretrained(path)
     tiny_tokenizer(vocab).save_pretrained(path)
     return path
-
-
-def tiny_deepseek_v3(num_attention_heads: int = 4, hidden_size: int = 64, num_hidden_layers: int = 2,
-                     intermediate_size: int = 128, vocab_size: int = 512, seed: int = 0):
-    """A random dense DeepseekV3ForCausalLM in fp32 (eval mode) at the shapes stock MLA engines accept:
-    kv_lora_rank 512 + qk_rope_head_dim 64, no q LoRA, every layer dense. rms_norm_eps is 1e-6 because
-    transformers hard-codes that eps in kv_a_layernorm while vLLM reads the config's."""
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_attention_heads, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=num_hidden_layers, rope_interleave=True,
-        rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
-        eos_token_id=0, bos_token_id=None, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():   # larger than the 0.02 default, so that greedy choices are rarely near-ties
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0, 1.0 / param.shape[1] ** 0.5)
-    return model.eval()
-
-
-def save_tiny_deepseek_v3(path: str | Path, **kwargs) -> Path:
-    """Write a tiny random dense DeepSeek-V3 checkpoint (safetensors) with its tokenizer to `path`."""
-    path = Path(path)
-    model = tiny_deepseek_v3(**kwargs)
-    model.save_pretrained(path)
-    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
-    return path
