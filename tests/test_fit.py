@@ -111,7 +111,8 @@ def test_cli_writes_a_fitted_checkpoint_and_fit_json(pair, data_dir, tmp_path):
                      "--out", str(out), "--steps", "15", "--lr", "3e-3", "--blocks", "40", "--batch", "8",
                      "--heldout", "12", "--device", "cpu"]) == 0
     report = json.loads((out / "fit.json").read_text())
-    assert report["settings"] == {"steps": 15, "lr": 3e-3, "blocks": 40, "batch": 8, "heldout": 12, "seed": 0}
+    assert report["settings"] == {"steps": 15, "lr": 3e-3, "blocks": 40, "batch": 8, "heldout": 12, "seed": 0,
+                                  "span": 1, "echo": 0}
     assert (report["train_blocks"], report["heldout_blocks"], report["block_length"]) == (40, 12, LENGTH)
     assert (report["device"], report["dtype"], report["fit_dtype"]) == ("cpu (fp32)", "float32", "float32")
     assert report["stream_bytes"] == 3 * (40 + 12) * LENGTH * 64 * 4
