@@ -25,6 +25,7 @@ MARKER_GROUPS = {
     "serve": "vllm",    # vLLM CPU engines pin their OpenMP threads to the cores and claim memory: one at a time
     "gpu": "gpu",       # one CUDA device (vLLM takes half its memory)
 }
+LONGEST = {"tests/test_rehearsal.py::test_paper_rehearsal_runs_and_checks_the_whole_dag"}
 # session fixtures too costly to make once per worker: their tests share a worker
 FIXTURE_GROUPS = {"finished_smoke": "smoke"}   # the smoke workflow, minutes
 
@@ -65,6 +66,9 @@ def pytest_collection_modifyitems(config, items):
     for item, group in groups.items():
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    # the longest units first, one per worker, so that neither is left to start when the rest is done: the
+    # paper rehearsal (~10 min on its own) and the smoke group (~18 min: the smoke workflow, then SLURM)
+    items.sort(key=lambda item: 0 if item.nodeid in LONGEST else 1 if groups.get(item) == "smoke" else 2)
 
 
 @pytest.hookimpl(tryfirst=True)   # on a worker, before pytest-xdist sends the collection
