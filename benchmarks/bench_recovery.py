@@ -263,16 +263,14 @@ def markdown(rows: list[dict]) -> str:
 
 def layer_fit(settings, heldout_blocks) -> Callable:
     """The `fit` of `run`: mla fit's layer-wise fit of a copy of the converted model on the first
-    `settings.blocks` training blocks (its own report's held-out blocks: `heldout_blocks`)."""
+    `settings.blocks` training sequences (`settings.span` blocks each; its own report's held-out sequences:
+    `heldout_blocks`)."""
     import copy
 
-    import numpy as np
-
-    from mla.conversion.fit import fit_model
+    from mla.conversion.fit import fit_model, join_blocks
 
     def fit(converted, original, train_blocks):
         fitted = copy.deepcopy(converted)
-        from mla.conversion.fit import join_blocks
         train = join_blocks(train_blocks, settings.span, settings.blocks)
         fit_model(original, fitted, train, heldout_blocks, settings, log=lambda *a, **k: None)
         return fitted
@@ -332,13 +330,10 @@ def main() -> None:
                        split_strategy=args.split_strategy)
     fit = None
     if args.fit_steps:
-        import numpy as np
-
         from mla.conversion.fit import FitSettings, join_blocks
 
         settings = FitSettings(steps=args.fit_steps, lr=args.fit_lr, blocks=args.fit_blocks, batch=args.fit_batch,
-                               heldout=args.fit_heldout, span=args.fit_span,
-                               echo=args.fit_echo)
+                               heldout=args.fit_heldout, span=args.fit_span, echo=args.fit_echo)
         valid = open_blocks(args.data, "validation")
         fit = layer_fit(settings, join_blocks(valid, args.fit_span, args.fit_heldout, evenly=True))
     retrieval = None

@@ -404,19 +404,17 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
 
 
 # ---------------------------------------------------------------- checkpoints on disk
-def join_blocks(blocks, span: int, count: int | None = None, evenly: bool = False) -> np.ndarray:
-    """Sequences of `span` consecutive blocks [N, T] joined end to end -> [count, span·T]: the first `count`
-    (default all that fit) or, with `evenly`, `count` starting points spread evenly over the blocks.
-    Packed blocks continue one another (mla/data), so a joined sequence is running text."""
+def join_blocks(blocks, span: int, count: int, evenly: bool = False) -> np.ndarray:
+    """Sequences of `span` consecutive blocks [N, T] joined end to end -> [≤ count, span·T]: the first `count`
+    or, with `evenly`, `count` starting blocks spread evenly over those with span − 1 blocks after them. Packed
+    blocks continue one another (mla/data), so a joined sequence is running text; span 1 gives the blocks."""
     starts_available = len(blocks) - span + 1
     if starts_available <= 0:
         return np.zeros((0, span * (len(blocks[0]) if len(blocks) else 0)), dtype=np.int64)
-    if evenly:
-        starts = evenly_spaced(starts_available, min(count or starts_available, starts_available))
-    else:
-        starts = np.arange(0, min(len(blocks) // span, count or len(blocks)) * span, span)
+    starts = (evenly_spaced(starts_available, min(count, starts_available)) if evenly
+              else np.arange(min(len(blocks) // span, count)) * span)
     return np.stack([np.concatenate([np.asarray(blocks[s + j], dtype=np.int64) for j in range(span)])
-                     for s in starts]) if len(starts) else np.zeros((0, 0), dtype=np.int64)
+                     for s in starts])
 
 
 def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tuple[np.ndarray, np.ndarray]:
@@ -430,16 +428,11 @@ def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tup
         raise UserError(f"--data {data_dir} holds no train blocks: fitting needs calibration data")
     if len(valid) == 0:
         raise UserError(f"--data {data_dir} holds no validation blocks for the held-out errors (--heldout)")
-    span = settings.span
-    if span > 1:
-        train_seq = join_blocks(train, span, settings.blocks)
-        held_seq = join_blocks(valid, span, settings.heldout, evenly=True)
-        if len(train_seq) == 0 or len(held_seq) == 0:
-            raise UserError(f"fit span {span}: the data holds {len(train)} train and {len(valid)} validation blocks, "
-                            f"too few to join {span} of them")
-    else:
-        train_seq = np.array(train[:settings.blocks], dtype=np.int64)
-        held_seq = np.array(valid[evenly_spaced(len(valid), min(settings.heldout, len(valid)))], dtype=np.int64)
+    train_seq = join_blocks(train, settings.span, settings.blocks)
+    held_seq = join_blocks(valid, settings.span, settings.heldout, evenly=True)
+    if len(train_seq) == 0 or len(held_seq) == 0:
+        raise UserError(f"fit span {settings.span}: the data holds {len(train)} train and {len(valid)} validation "
+                        f"blocks, too few to join {settings.span} of them")
     if len(train_seq) < settings.blocks:
         log(f"note: only {len(train_seq)} train sequences available, fitting on all of them (asked for {settings.blocks})")
     if len(held_seq) < settings.heldout:
