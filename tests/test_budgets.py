@@ -57,7 +57,7 @@ def test_block_length_of_the_model_or_the_data_default():
 def test_derived_models_share_their_roots_data():
     cfg = load("config.yaml")  # gqa2mla on smollm2-135m, mha2mla on its MHA expansion (same tokenizer)
     t = cfg["train"]
-    base = t["steps"] * t["batch_size"] * cfg["data"]["block_length"]
+    base = t["steps"] * t["batch_size"] * t.get("span", 1) * cfg["data"]["block_length"]
     assert train_tokens(validated(cfg), "smollm2-135m") == base
     # a longer run of the derived model's experiment grows the one data folder both use
     cfg["experiments"]["mha2mla"]["overrides"] = {"dkv32": {"steps": 3 * t["steps"]}}

@@ -35,7 +35,7 @@ def test_dotted_key_of_the_top_level():
 def test_a_recipe_that_mla_train_would_refuse_is_named_before_any_job():
     cfg = _default_config()
     assert config_problems(cfg) == []
-    cfg["train"]["batch_size"] = 6  # not a multiple of micro batch (4) x ranks (1)
+    cfg["train"].update(batch_size=6, micro_batch_size=4)  # not a multiple of micro batch (4) x ranks (1)
     cfg["experiments"]["gqa2mla"]["overrides"] = {"dkv16": {"steps": 4}}  # warmup 2 + decay 3 > 4 steps
     cfg["experiments"]["gqa2mla"]["train"] = {}
     problems = dict(config_problems(cfg))

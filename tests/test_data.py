@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mla.cli import UserError, main
-from mla.data import PYDOC_STDLIB, build_dataset, in_validation, open_blocks, read_manifest
+from mla.data import PYDOC_STDLIB, build_dataset, in_validation, join_consecutive, open_blocks, read_manifest
 from mla.data.readers import PYTHON_DOCS_ENV, PythonDocstrings, docstrings
 from mla.sources import sha256_of
 from mla.options import DEFAULT_VALIDATION_FRACTION
@@ -375,3 +375,16 @@ def test_debian_docs_corpus_reads_the_folder_that_MLA_PYTHON_DOCS_names(tokenize
     monkeypatch.setenv(PYTHON_DOCS_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(UserError, match=f"not at {tmp_path / 'nowhere'}; install Debian's python3.11-doc"):
         build_dataset("debian-docs-stdlib", tokenizer_dir, tmp_path / "x", block_length=32, train_tokens=3200)
+
+
+def test_join_consecutive_is_a_view_of_whole_groups_of_blocks(tmp_path):
+    path = tmp_path / "blocks.bin"
+    np.arange(7 * 4, dtype=np.uint16).tofile(path)
+    blocks = np.memmap(path, dtype=np.uint16, mode="r", shape=(7, 4))
+    joined = join_consecutive(blocks, 3)
+    assert joined.shape == (2, 12)                      # the 7th block cannot complete a third sequence
+    assert joined[1].tolist() == list(range(12, 24))    # blocks 3, 4, 5 end to end
+    assert np.shares_memory(joined, blocks)             # no copy of the memory map
+    assert join_consecutive(blocks, 1).shape == (7, 4)
+    with pytest.raises(UserError, match="span must be >= 1"):
+        join_consecutive(blocks, 0)

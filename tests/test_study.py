@@ -223,7 +223,8 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
     assert v16_other.fit_key != v16.fit_key and v16_other.conversion == v16.conversion
     # the fit reads its 64 training blocks from the model's data, which must hold them (and the runs' tokens)
     t = s.config["train"]
-    assert budgets.train_tokens(s.config, "smollm2-135m") == max(64 * 128, t["steps"] * t["batch_size"] * 128)
+    run_tokens = t["steps"] * t["batch_size"] * t.get("span", 1) * 128
+    assert budgets.train_tokens(s.config, "smollm2-135m") == max(64 * 128, run_tokens)
     small = copy.deepcopy(cfg)
     small["experiments"]["gqa2mla"]["fit"] = {"blocks": 200}
     assert budgets.train_tokens(validated(small), "smollm2-135m") == 200 * 128

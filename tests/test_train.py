@@ -91,6 +91,23 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(inputs):
 
 
 @pytest.mark.timeout(200)
+def test_span_trains_on_sequences_of_consecutive_blocks(inputs):
+    """--span 3: each sequence is 3 consecutive packed blocks (96 tokens); the losses are plain PyTorch's on those
+    sequences, not on single blocks, and the token counts follow."""
+    steps, span = 3, 3
+    proc = run_train(inputs, "span", "--steps", str(steps), "--lr", str(LR), "--warmup-steps", "1", "--decay-steps",
+                     "1", "--micro-batch", "2", "--span", str(span), "--no-mlflow")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [float(r["loss"]) for r in rows(inputs / "span" / "metrics.csv")]
+    joined = plain_losses(inputs, steps, 2, LR, 1, 1, span=span)
+    single = plain_losses(inputs, steps, 2, LR, 1, 1)
+    assert max(abs(x - y) for x, y in zip(got, joined)) <= 1e-4, (got, joined)
+    assert max(abs(x - y) for x, y in zip(got, single)) > 1e-3, (got, single)   # not single blocks
+    info = json.loads((inputs / "span" / "run.json").read_text())
+    assert info["tokens"] == int(rows(inputs / "span" / "metrics.csv")[-1]["tokens"]) == steps * 2 * span * BLOCK
+
+
+@pytest.mark.timeout(200)
 def test_nan_loss_stops_with_the_step(inputs):
     proc = train(inputs, "nan", "--lr", "1e9", "--clip", "0", "--warmup-steps", "0", "--decay-steps", "0",
                  "--no-mlflow")
@@ -109,6 +126,9 @@ def test_nan_loss_stops_with_the_step(inputs):
     (["--global-batch", "8", "--micro-batch", "2", "--grad-accum", "3"], "grad_accum is 3"),
     (["--zero-stage", "0", "--offload"], "offload needs ZeRO"),
     (["--nodes", "0"], "--nodes must be >= 1"),
+    (["--span", "0"], "--span (train.span) must be >= 1"),
+    (["--span", "1000"], "training sequences of 32000 tokens (block length 32 x span 1000) exceed the model's "
+                         "max_position_embeddings 4096"),
     (["--checkpoint-dir", "a", "--checkpoint-root", "b"], "exclude each other"),
     (["--callback", "fault_injection"], "callbacks must be a list of MODULE:NAME"),
     (["--zero-stage", "0", "--precision", "bf16", "--micro-batch", "2", "--grad-accum", "2"],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,11 +79,12 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
                  clip: float = 1.0, weight_decay: float = TrainConfig.weight_decay, seed: int = TrainConfig.seed,
                  model_dir: str = "mla",
                  groups: bool = True, return_model: bool = False, distill: tuple | None = None,
-                 trainable: str = "all"):
+                 trainable: str = "all", span: int = 1):
     """The reference: one process, the whole global batch per step, same data order, AdamW (with the
     recipe's parameter groups unless groups=False: then decay on everything) and schedule.
     distill=(teacher folder, weight, T): the loss CE + weight·T²·KL, the KL written directly (torch's kl_div
-    over every predicted token); the losses are then (ce, kl) pairs. trainable: as `mla train --trainable`."""
+    over every predicted token); the losses are then (ce, kl) pairs. trainable: as `mla train --trainable`;
+    span: sequences of that many consecutive blocks, joined here by concatenation."""
     from functools import partial
 
     from mla.checkpoint import load_model
@@ -93,7 +95,10 @@ def plain_losses(root: Path, steps: int, global_batch: int, lr: float, warmup: i
     model = load_model(root / model_dir).train()
     select_trainable(model, trainable)
     teacher = load_model(distill[0]).eval() if distill else None
-    data = BlockDataset(open_blocks(root / "data"), steps * global_batch, seed=seed)
+    blocks = open_blocks(root / "data")
+    usable = len(blocks) // span * span
+    joined = np.stack([np.concatenate(blocks[i:i + span]) for i in range(0, usable, span)])
+    data = BlockDataset(joined, steps * global_batch, seed=seed)
     params = parameter_groups(model, weight_decay) if groups else model.parameters()
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(paper_lr_multiplier, total_steps=steps,

@@ -47,7 +47,7 @@ import torch
 
 from mla import atomic, checkpoint, devices, shapes
 from mla.conversion import lowrank
-from mla.data import open_blocks
+from mla.data import join_consecutive, open_blocks
 from mla.errors import UserError
 from mla.options import FIT_DEFAULTS
 from mla.perplexity import perplexity
@@ -408,13 +408,13 @@ def join_blocks(blocks, span: int, count: int, evenly: bool = False) -> np.ndarr
     """Sequences of `span` consecutive blocks [N, T] joined end to end -> [≤ count, span·T]: the first `count`
     or, with `evenly`, `count` starting blocks spread evenly over those with span − 1 blocks after them. Packed
     blocks continue one another (mla/data), so a joined sequence is running text; span 1 gives the blocks."""
+    if not evenly:
+        return np.asarray(join_consecutive(blocks, span)[:count], dtype=np.int64)
     starts_available = len(blocks) - span + 1
     if starts_available <= 0:
-        return np.zeros((0, span * (len(blocks[0]) if len(blocks) else 0)), dtype=np.int64)
-    starts = (evenly_spaced(starts_available, min(count, starts_available)) if evenly
-              else np.arange(min(len(blocks) // span, count)) * span)
-    return np.stack([np.concatenate([np.asarray(blocks[s + j], dtype=np.int64) for j in range(span)])
-                     for s in starts])
+        return np.zeros((0, span * blocks.shape[1]), dtype=np.int64)
+    starts = evenly_spaced(starts_available, min(count, starts_available))
+    return np.stack([np.asarray(blocks[s:s + span], dtype=np.int64).reshape(-1) for s in starts])
 
 
 def select_blocks(data_dir: str | Path, settings: FitSettings, log=print) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ Output folder (`mla.data.manifest`)::
     OUT/manifest.json                            request, tokens/documents/shares per source, sha256 per file
 
 Read it with `open_blocks(dir, split)` (a read-only memory map [n_blocks, block_length]; `load_blocks` also
-takes a .npy file) and
+takes a .npy file; `join_consecutive` makes longer sequences of consecutive blocks) and
 `read_manifest(dir)`. Named corpora: ``pydoc-stdlib`` (offline default, from what every Python installs:
 the standard library's docstrings and pydoc's topics, 0.7, and its sources, 0.3), ``debian-docs-stdlib``
 (the documentation's reStructuredText from Debian's python3.11-doc instead of the docstrings) and
@@ -29,9 +29,9 @@ list defines others (see `load_corpus`).
 from mla.data.build import DEFAULT_VALIDATION_TOKENS, build_dataset
 from mla.data.corpus import (CORPORA, DEBIAN_DOCS_STDLIB, DEFAULT_CORPUS, PYDOC_STDLIB, SMOLLM_MIXTURE, SPLITS,
                              Source, in_validation, load_corpus)
-from mla.data.manifest import MANIFEST, load_blocks, open_blocks, read_manifest
+from mla.data.manifest import MANIFEST, join_consecutive, load_blocks, open_blocks, read_manifest
 from mla.data.readers import READERS, stdlib_files
 
 __all__ = ["CORPORA", "DEBIAN_DOCS_STDLIB", "DEFAULT_CORPUS", "DEFAULT_VALIDATION_TOKENS", "MANIFEST", "PYDOC_STDLIB", "READERS",
            "SMOLLM_MIXTURE", "SPLITS", "Source", "build_dataset", "in_validation",
-           "load_blocks", "load_corpus", "open_blocks", "read_manifest", "stdlib_files"]
+           "join_consecutive", "load_blocks", "load_corpus", "open_blocks", "read_manifest", "stdlib_files"]

@@ -81,6 +81,15 @@ def open_blocks(data_dir: str | os.PathLike, split: str = "train") -> np.ndarray
     return blocks
 
 
+def join_consecutive(blocks: np.ndarray, span: int) -> np.ndarray:
+    """Blocks [n, L] as sequences of `span` consecutive blocks [n // span, span·L] (a view: no copy of a memory
+    map). Packed blocks continue one another, so a joined sequence is running text; leftover blocks are dropped."""
+    if span < 1:
+        raise UserError(f"span must be >= 1, got {span}")
+    n, length = blocks.shape
+    return blocks[: n // span * span].reshape(n // span, span * length)
+
+
 def load_blocks(source: str | os.PathLike, split: str = "validation") -> np.ndarray:
     """Token blocks [n, L] from a `mla data` folder (its `split`) or from a .npy file."""
     p = Path(source)

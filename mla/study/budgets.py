@@ -1,7 +1,7 @@
 """Token budgets that follow from the experiments of a validated workflow config.
 
 The tokens a model's data must hold are not a free knob: every fine-tuning run reads
-`steps x batch_size x block_length` training tokens (it never repeats a block), calibration reads
+`steps x batch_size x span x block_length` training tokens (it never repeats a block), calibration reads
 `calibrate.samples` training blocks and a layer-wise fit its `fit.blocks` (and `fit.heldout` validation
 blocks, which `data.validation_tokens` must hold). Derived models (`source: mha-from-gqa`) use their root model's
 tokenizer and therefore its data, so the budget of one data folder is the largest need over every
@@ -41,9 +41,10 @@ def needs(config: dict, model: str) -> list[tuple[int, str]]:
         if v.model not in config["models"] or root_model(config, v.model) != root:
             continue
         t = v.train
-        out.append((t["steps"] * t["batch_size"] * length,
-                    f"experiments.{v.experiment} {v.name}: {t['steps']} steps x {t['batch_size']} sequences"
-                    f" x {length} tokens"))
+        span = t.get("span", 1)
+        what = f"{length} tokens" if span == 1 else f"{span} blocks x {length} tokens"
+        out.append((t["steps"] * t["batch_size"] * span * length,
+                    f"experiments.{v.experiment} {v.name}: {t['steps']} steps x {t['batch_size']} sequences x {what}"))
         calibrated |= v.needs_calibration
     for v in experiments.Study(config).fits().values():
         if root_model(config, v.model) == root:
@@ -122,5 +123,5 @@ def budget_errors(config: dict) -> list[tuple[str, str]]:
 def variant_plan(config: dict, variant) -> walltime.JobPlan:
     """The job plan of a workflow variant's fine-tuning run (config validated, schema defaults filled)."""
     t = variant.train
-    tokens = t["steps"] * t["batch_size"] * block_length(config, variant.model)
+    tokens = t["steps"] * t["batch_size"] * t.get("span", 1) * block_length(config, variant.model)
     return walltime.plan_run(tokens, t["nproc"] * t.get("nodes", 1), t.get("gpu_tokens_per_second"), t.get("max_job_hours"))

@@ -231,13 +231,14 @@ def train_settings(config: dict, experiment: str, settings: dict) -> dict:
     """Global train recipe < experiment's `train` < the variant's own steps/lr/distill/trainable."""
     exp = config["experiments"][experiment]
     train = dict(config["train"], **exp.get("train", {}), **{k: settings[k] for k in RUN_SETTINGS if k in settings})
-    return distill_and_trainable(train, exp["model"])
+    return canonical_recipe(train, exp["model"])
 
 
-def distill_and_trainable(train: dict, model: str) -> dict:
-    """`distill` and `trainable` as the recipe key hashes them: absent when off (no distillation, or weight 0;
-    every parameter trains), so a recipe without them keeps its key; else distill in full, the teacher named (the
-    experiment's model unless given) and the numbers as floats (weight 1 and 1.0 are one recipe)."""
+def canonical_recipe(train: dict, model: str) -> dict:
+    """`distill`, `trainable` and `span` as the recipe key hashes them: absent when off (no distillation, or
+    weight 0; every parameter trains; one block per sequence), so a recipe without them keeps its key; else
+    distill in full, the teacher named (the experiment's model unless given) and the numbers as floats (weight 1
+    and 1.0 are one recipe)."""
     train = dict(train)
     distill = train.pop("distill", None) or {}
     if distill.get("weight", 0) > 0:
@@ -246,6 +247,8 @@ def distill_and_trainable(train: dict, model: str) -> dict:
                             "teacher": distill.get("teacher", model)}
     if train.get("trainable", "all") == "all":
         train.pop("trainable", None)
+    if train.get("span", 1) == 1:     # one block per sequence: the recipe keys of runs before train.span
+        train.pop("span", None)
     return train
 
 

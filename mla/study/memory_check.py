@@ -80,7 +80,7 @@ def memory_errors(config: dict, results: str | Path = "results") -> list[tuple[s
                   "jobs are not checked against train.gpu_memory_gb", file=sys.stderr)
             continue
         root = config["models"][experiments.root_model(config, exp["model"])]
-        seq = root.get("block_length", config.get("data", {}).get("block_length", 128))
+        seq = root.get("block_length", config.get("data", {}).get("block_length", 128)) * train.get("span", 1)
         try:
             plans = _job_plans(config, ename, cfg_model, train, seq, parse_memory(gpu_gb), results)
         except UserError as exc:

@@ -45,6 +45,8 @@ class TrainConfig:
     micro_batch: int = option(4, "sequences per rank per forward pass")
     grad_accum: int | None = option(None, "accumulation steps (default: from the global batch, else 1)")
     global_batch: int | None = option(None, "sequences per optimizer step over all ranks")
+    span: int = option(1, "packed blocks joined end to end into one training sequence: sequences of span x the "
+                       "data's block length (packed blocks continue one another, so a sequence is running text)")
     weight_decay: float = option(0.01, "AdamW weight decay (not on norm weights and biases)")
     clip: float = option(1.0, "gradient clipping max global norm, 0 = off")
     adam_beta1: float = option(0.9, "AdamW beta1")
@@ -155,6 +157,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise UserError(f"lr must be > 0, got {cfg.lr}")
     if cfg.micro_batch <= 0:
         raise UserError(f"micro batch must be > 0, got {cfg.micro_batch}")
+    if cfg.span < 1:
+        raise UserError(f"--span (train.span) must be >= 1 block per sequence, got {cfg.span}")
     if cfg.nodes <= 0:
         raise UserError(f"--nodes must be >= 1, got {cfg.nodes}")
     if cfg.nproc <= 0 or cfg.world_size <= 0:
@@ -236,12 +240,22 @@ def check_inputs(cfg: TrainConfig) -> dict:
         raise UserError(f"data {cfg.data} was tokenized with a {manifest['vocab_size']}-token vocabulary, "
                         f"larger than the model's {vocab}: built with another tokenizer?")
     max_pos = model_config.get("max_position_embeddings")
-    if max_pos is not None and manifest["block_length"] > max_pos:
-        raise UserError(f"block length {manifest['block_length']} exceeds the model's "
-                        f"max_position_embeddings {max_pos}")
+    if max_pos is not None and sequence_length(cfg, manifest) > max_pos:
+        joined = f" x span {cfg.span}" if cfg.span > 1 else ""
+        raise UserError(f"training sequences of {sequence_length(cfg, manifest)} tokens (block length "
+                        f"{manifest['block_length']}{joined}) exceed the model's max_position_embeddings {max_pos}")
+    blocks = manifest["splits"]["train"]["n_blocks"]
+    if blocks < cfg.span:
+        raise UserError(f"--span {cfg.span} joins {cfg.span} blocks per sequence, but {cfg.data} holds only "
+                        f"{blocks} train blocks")
     if cfg.distill_weight > 0:
         _check_teacher(cfg, model_config)
     return manifest
+
+
+def sequence_length(cfg: TrainConfig, manifest: dict) -> int:
+    """Tokens per training sequence: `span` blocks of the data's block length."""
+    return cfg.span * manifest["block_length"]
 
 
 def _check_teacher(cfg: TrainConfig, model_config: dict) -> None:

@@ -8,8 +8,8 @@
 - the data: the train split's sha256 from the data manifest (block length and tokenizer included),
 - the recipe: steps, lr, warmup and decay steps, weight decay, clipping, AdamW betas and eps, global
   batch, seed, the resolved precision (bf16 | fp32), and the content of a --deepspeed override file,
-- distillation (weight, temperature, the teacher's sha256 as for the start model) and `--trainable`, only
-  when they are on (a run without them keeps its key),
+- distillation (weight, temperature, the teacher's sha256 as for the start model), `--trainable` and `--span`
+  (blocks per sequence), only when they are on (a run without them keeps its key),
 - KEY_VERSION, bumped when the code changes what a trajectory is (e.g. the parameter groups).
 
 Not in the key (launch settings, changeable between a crash and its resume): nproc, nodes, micro batch
@@ -74,6 +74,8 @@ def trajectory(cfg, manifest: dict, precision: str) -> dict:
                           "teacher": model_identity(cfg.teacher)}
     if cfg.trainable != "all":
         doc["trainable"] = cfg.trainable
+    if cfg.span > 1:   # longer sequences of the same blocks: another trajectory (span 1 keeps the keys it had)
+        doc["span"] = cfg.span
     return doc
 
 

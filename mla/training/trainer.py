@@ -24,10 +24,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from mla import atomic, tracking
 from mla.checkpoint import copy_tokenizer_files, load_model, tidy_trained_checkpoint
-from mla.data import open_blocks
+from mla.data import join_consecutive, open_blocks
 from mla.errors import UserError
 from mla.training import grad_norms
-from mla.training.config import resolved_precision, use_cuda
+from mla.training.config import resolved_precision, sequence_length, use_cuda
 from mla.training.deepspeed_config import deepspeed_config
 from mla.training.distill import Distillation, load_teacher, token_kl, whole_parameter_elements
 from mla.training.optimizer import optimizer_class_and_kwargs
@@ -268,6 +268,8 @@ def mlflow_params(cfg, manifest: dict) -> dict:
                       teacher=cfg.teacher)
     if cfg.trainable != "all":
         params["trainable"] = cfg.trainable
+    if cfg.span > 1:
+        params.update(span=cfg.span, sequence_length=sequence_length(cfg, manifest))
     params.update(block_length=manifest["block_length"], data_corpus=manifest["corpus"],
                   data_train_sha256=manifest["splits"]["train"]["sha256"])
     return params
@@ -415,9 +417,9 @@ def run_training(cfg, manifest: dict) -> dict:
     resume = last_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     universal = resume is not None and resume_plan(saved_layout(resume), cfg.world_size, cfg.zero_stage) == "universal"
 
-    blocks = open_blocks(cfg.data, "train")
-    dataset = BlockDataset(blocks, cfg.steps * cfg.global_batch, cfg.seed)
-    metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * manifest["block_length"], None,
+    sequences = join_consecutive(open_blocks(cfg.data, "train"), cfg.span)
+    dataset = BlockDataset(sequences, cfg.steps * cfg.global_batch, cfg.seed)
+    metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * sequence_length(cfg, manifest), None,
                               cfg.tracking_uri, distill=cfg.distill_weight > 0)
     callbacks = [metrics, LayoutCallback(cfg), *time_limit_callbacks(ckpt_dir, rank0), *extra_callbacks(cfg.callbacks)]
     trainer = build_trainer(cfg, cuda, bf16, dataset, callbacks, universal)
@@ -452,7 +454,7 @@ def run_training(cfg, manifest: dict) -> dict:
         "mlflow_run_id": run_id, "experiment": cfg.experiment, "run_name": run_name,
         "tracking_uri": cfg.tracking_uri or tracking.DEFAULT_TRACKING_URI, "tags": tags,
         "steps": cfg.steps, "world_size": cfg.world_size, "global_batch": cfg.global_batch,
-        "tokens": cfg.steps * cfg.global_batch * manifest["block_length"], "precision": "bf16" if bf16 else "fp32",
+        "tokens": cfg.steps * cfg.global_batch * sequence_length(cfg, manifest), "precision": "bf16" if bf16 else "fp32",
         "loaded_dtype": loaded, "grad_accum_dtype": accumulation_dtype(trainer),
         "resumed_from": str(resume) if resume else None, "resumed_universal": universal,
         "checkpointed_layers": checkpointed_layers(trainer.model),
