@@ -156,19 +156,24 @@ def test_blobs_are_fetched_in_row_order_by_a_thread_pool(mirror, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     threads, real = set(), readers.fetch_blob
+    lock, in_flight, most = threading.Lock(), [0], [0]
 
     def slow_fetch(blob_id, *args, **kwargs):
-        threads.add(threading.get_ident())
-        time.sleep(0.02)
+        with lock:
+            threads.add(threading.get_ident())
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.05)   # a request's latency: overlapping ones are in flight together
+        with lock:
+            in_flight[0] -= 1
         return real(blob_id, *args, **kwargs)
 
     monkeypatch.setattr(readers, "fetch_blob", slow_fetch)
     source = next(s for s in SMOLLM_MIXTURE if s.name == "python-edu")
     reader = readers.reader_for(source, seed=0)
-    start = time.time()
     docs = list(reader.documents(start=5))
-    elapsed = time.time() - start
     rows = [r for shard in sorted((root / "HuggingFaceTB/smollm-corpus/python-edu").glob("*.parquet"))
             for r in pq.read_table(shard).to_pylist()]
     assert [key for key, _ in docs] == [r["blob_id"] for r in rows[5:]]   # order kept, resumed at row 5
-    assert len(threads) > 4 and elapsed < 0.02 * len(docs) / 2
+    # counted, not timed (a loaded machine must not fail it): several requests were in flight at once
+    assert len(threads) > 4 and most[0] > 4, (len(threads), most[0])
