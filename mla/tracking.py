@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
+
+from mla import locks
 
 DEFAULT_TRACKING_URI = "sqlite:///results/mlflow.db"
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -35,15 +37,9 @@ def _sqlite_path(uri: str) -> Path | None:
     return None
 
 
-@contextmanager
-def _sqlite_lock(db: Path):
-    """An exclusive lock beside a sqlite store, for what parallel jobs must not do at once."""
-    import fcntl
-
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+def _store_lock(db: Path):
+    """The exclusive lock beside a sqlite store, for what parallel jobs must not do at once."""
+    return locks.exclusive(db.with_name(db.name + ".lock"))
 
 
 def client_for(tracking_uri: str | None = None):
@@ -56,7 +52,7 @@ def client_for(tracking_uri: str | None = None):
     db = _sqlite_path(uri)
     if db is None:
         return MlflowClient(tracking_uri=uri)
-    with _sqlite_lock(db):
+    with _store_lock(db):
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)     # creates (and migrates) the database inside the lock
     return client
@@ -125,7 +121,7 @@ def get_or_create_run(tracking_uri: str | None, experiment: str, run_name: str, 
     all_tags = {**default_tags(), **{k: str(v) for k, v in (tags or {}).items() if v is not None}}
     # found or created under the store's lock: two jobs of one run (an original model's quality and inference
     # evaluations, the figure's and the tables' summary run) must not both create it
-    with _sqlite_lock(db) if db else nullcontext():
+    with _store_lock(db) if db else nullcontext():
         exp_id = _experiment_id(client, experiment, db)
         run = find_run(client, exp_id, run_name)
         created = run is None
