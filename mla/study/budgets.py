@@ -31,6 +31,12 @@ def block_length(config: dict, model: str) -> int:
     return int(config["models"][root_model(config, model)].get("block_length", config["data"]["block_length"]))
 
 
+def run_tokens(config: dict, variant) -> int:
+    """Training tokens of a variant's fine-tuning run: steps x sequences x span blocks x block length."""
+    t = variant.train
+    return t["steps"] * t["batch_size"] * t.get("span", 1) * block_length(config, variant.model)
+
+
 def needs(config: dict, model: str) -> list[tuple[int, str]]:
     """Every training-token need of `model`'s data, as (tokens, why) pairs: one per training run (runs
     shared by several variants count once) and the calibration pass if any variant converts."""
@@ -43,7 +49,7 @@ def needs(config: dict, model: str) -> list[tuple[int, str]]:
         t = v.train
         span = t.get("span", 1)
         what = f"{length} tokens" if span == 1 else f"{span} blocks x {length} tokens"
-        out.append((t["steps"] * t["batch_size"] * span * length,
+        out.append((run_tokens(config, v),
                     f"experiments.{v.experiment} {v.name}: {t['steps']} steps x {t['batch_size']} sequences x {what}"))
         calibrated |= v.needs_calibration
     for v in experiments.Study(config).fits().values():
@@ -123,5 +129,4 @@ def budget_errors(config: dict) -> list[tuple[str, str]]:
 def variant_plan(config: dict, variant) -> walltime.JobPlan:
     """The job plan of a workflow variant's fine-tuning run (config validated, schema defaults filled)."""
     t = variant.train
-    tokens = t["steps"] * t["batch_size"] * t.get("span", 1) * block_length(config, variant.model)
-    return walltime.plan_run(tokens, t["nproc"] * t.get("nodes", 1), t.get("gpu_tokens_per_second"), t.get("max_job_hours"))
+    return walltime.plan_run(run_tokens(config, variant), t["nproc"] * t.get("nodes", 1), t.get("gpu_tokens_per_second"), t.get("max_job_hours"))
