@@ -22,4 +22,5 @@ DEFAULT_VALIDATION_FRACTION = 0.12         # share of documents held out, by doc
 DEFAULT_VALIDATION_TOKENS = 65536          # held-out tokens per data folder (`mla data`, data.validation_tokens)
 # Layer-wise fitting (`mla fit`, a variant's `fit:`): steps and learning rate per layer, training blocks
 # read, blocks per step, validation blocks for the held-out errors and loss (mla/conversion/fit.py)
-FIT_DEFAULTS = {"steps": 100, "lr": 1.0e-3, "blocks": 64, "batch": 8, "heldout": 64, "span": 1, "echo": 0}
+FIT_DEFAULTS = {"steps": 100, "lr": 1.0e-3, "blocks": 64, "batch": 8, "heldout": 64, "span": 1, "echo": 0,
+                "schedule": "constant"}

@@ -112,7 +112,7 @@ def test_cli_writes_a_fitted_checkpoint_and_fit_json(pair, data_dir, tmp_path):
                      "--heldout", "12", "--device", "cpu"]) == 0
     report = json.loads((out / "fit.json").read_text())
     assert report["settings"] == {"steps": 15, "lr": 3e-3, "blocks": 40, "batch": 8, "heldout": 12, "seed": 0,
-                                  "span": 1, "echo": 0}
+                                  "span": 1, "echo": 0, "schedule": "constant"}
     assert (report["train_blocks"], report["heldout_blocks"], report["block_length"]) == (40, 12, LENGTH)
     assert (report["device"], report["dtype"], report["fit_dtype"]) == ("cpu (fp32)", "float32", "float32")
     assert report["stream_bytes"] == 3 * (40 + 12) * LENGTH * 64 * 4
@@ -308,3 +308,39 @@ def test_a_fit_with_span_and_echo_writes_its_settings(pair, data_dir, tmp_path):
     assert report["block_length"] == 2 * LENGTH and report["train_blocks"] == 4 and report["heldout_blocks"] == 2
     assert json.loads((out / "fit.json").read_text())["settings"]["echo"] == 8
     assert load_model(out).config.mha2mla["fit"]["span"] == 2
+
+
+def test_a_cosine_schedule_decays_each_layers_lr_to_zero_and_constant_keeps_it():
+    """The optimizer's learning rate at every step, caught as Adam sees it: cosine from lr to near 0 over each
+    layer's steps (restarting per layer), constant by default; the fit's workflow key ignores the default."""
+    from mla.study.experiments import fit_key
+
+    source = tiny_llama(num_kv_heads=2, num_hidden_layers=2)
+    seen = []
+    original_step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return original_step(self, *args, **kwargs)
+
+    for schedule in ("cosine", "constant"):
+        converted, _ = convert_model(source, d_kv=4, r=1, strategy="high")
+        seen.clear()
+        settings = fit.FitSettings(steps=8, lr=1e-2, batch=4, schedule=schedule)
+        torch.optim.Adam.step = spy
+        try:
+            fit.fit_model(source, converted, _blocks(1, 16), _blocks(2, 4), settings, log=lambda *a: None)
+        finally:
+            torch.optim.Adam.step = original_step
+        per_layer = [seen[:8], seen[8:]]
+        assert len(seen) == 16
+        for lrs in per_layer:
+            if schedule == "constant":
+                assert lrs == [1e-2] * 8
+            else:
+                assert lrs[0] == pytest.approx(1e-2) and lrs[4] == pytest.approx(5e-3)
+                assert all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] < 1e-3
+    base = {"steps": 8, "lr": 1e-2}
+    assert fit_key({**base, "schedule": "constant"}) == fit_key(base) != fit_key({**base, "schedule": "cosine"})
+    with pytest.raises(ValueError, match="fit schedule must be one of constant, cosine, got 'linear'"):
+        fit.FitSettings(schedule="linear")

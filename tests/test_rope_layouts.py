@@ -237,6 +237,30 @@ def test_shared_latent_of_an_mha_model_is_the_per_head_model():
         assert torch.equal(a, b), name
 
 
+def test_sdpa_with_the_value_padded_to_the_query_width_equals_eager_with_gradients():
+    """The shared layout's query and key are wider than the value (RoPE rows + the whole head); the fused path
+    pads the value with zero columns (modeling_mla). Logits and every gradient must equal eager attention's,
+    causal and with a left-padding mask."""
+    model = with_biases(tiny_llama(num_kv_heads=2, attention_bias=True))
+    converted, _ = convert_model(model, d_kv=6, r=2, strategy="rotated", scores=calibrated(model))
+    cfg = converted.config
+    assert cfg.qk_rope_head_dim + cfg.qk_nope_head_dim > cfg.v_head_dim        # the case the padding is for
+    x = ids(batch=2, length=9)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0                                                             # left padding
+    results = {}
+    for attn in ("eager", "sdpa"):
+        converted.config._attn_implementation = attn
+        converted.zero_grad()
+        logits = converted(x, attention_mask=mask).logits
+        logits[mask.bool()].square().mean().backward()
+        results[attn] = (logits.detach(), {n: p.grad.clone() for n, p in converted.named_parameters()})
+    (eager, g_eager), (sdpa, g_sdpa) = results["eager"], results["sdpa"]
+    assert (eager - sdpa)[mask.bool()].abs().max().item() <= TOL
+    for name, grad in g_eager.items():
+        assert torch.allclose(grad, g_sdpa[name], atol=1e-5, rtol=1e-4), name
+
+
 # ---------------------------------------------------------------- decode and cache, every layout
 LAYOUTS = [("rotated", "per_head", "joint"), ("rotated", "shared", "joint"), ("rotated", "shared", "split"),
            ("uniform", "shared", "joint"), ("rotated", "per_head", "split")]

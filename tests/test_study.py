@@ -207,7 +207,8 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
         v = by_name[name]
         assert v.fit is None and (v.start, v.run_dir) == (before[name].start, before[name].run_dir)
     v16 = by_name["dkv16"]
-    assert v16.fit == {"steps": 10, "lr": 1e-3, "blocks": 64, "batch": 8, "heldout": 64, "span": 1, "echo": 0}
+    assert v16.fit == {"steps": 10, "lr": 1e-3, "blocks": 64, "batch": 8, "heldout": 64, "span": 1, "echo": 0,
+                       "schedule": "constant"}
     assert v16.conversion == before["dkv16"].conversion        # the fit starts from the same conversion
     assert v16.fit_dir == f"results/fit/smollm2-135m/{v16.conversion}/{v16.fit_key}" == v16.start_dir
     assert v16.start == f"{v16.conversion}-{v16.fit_key}" and v16.run_dir != before["dkv16"].run_dir

@@ -14,7 +14,7 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="fitted MLA checkpoint folder to write (with fit.json)")
     p.add_argument("--steps", type=int, default=FIT_DEFAULTS["steps"],
                    help=f"Adam steps per layer (default {FIT_DEFAULTS['steps']})")
-    p.add_argument("--lr", type=float, default=FIT_DEFAULTS["lr"], help=f"learning rate (default {FIT_DEFAULTS['lr']})")
+    p.add_argument("--lr", type=float, default=FIT_DEFAULTS["lr"], help=f"learning rate, the peak of --schedule (default {FIT_DEFAULTS['lr']})")
     p.add_argument("--blocks", type=int, default=FIT_DEFAULTS["blocks"],
                    help=f"training blocks to fit on, the first of the train split (default {FIT_DEFAULTS['blocks']})")
     p.add_argument("--batch", type=int, default=FIT_DEFAULTS["batch"],
@@ -28,6 +28,9 @@ def add_arguments(p):
     p.add_argument("--echo", type=int, default=FIT_DEFAULTS["echo"],
                    help="tokens of each training sequence's first half repeated in its second half, so that the "
                         f"fit asks for copying from far back (default {FIT_DEFAULTS['echo']}: none)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default=FIT_DEFAULTS["schedule"],
+                   help="learning rate over each layer's steps: constant, or cosine decay to 0 "
+                        f"(default {FIT_DEFAULTS['schedule']})")
     p.add_argument("--seed", type=int, default=0, help="order in which the steps draw blocks (default 0)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when present, default) | cpu | cuda; bf16 on GPUs that support it, else fp32")
@@ -44,7 +47,8 @@ def run(args):
     from mla.conversion import fit  # lazy: torch; keeps `mla --help` fast
 
     settings = fit.FitSettings(steps=args.steps, lr=args.lr, blocks=args.blocks, batch=args.batch,
-                               heldout=args.heldout, seed=args.seed, span=args.span, echo=args.echo)
+                               heldout=args.heldout, seed=args.seed, span=args.span, echo=args.echo,
+                               schedule=args.schedule)
     report = fit.fit_checkpoint(args.source, args.model, args.data, args.out, settings, device=args.device)
     print(fit.report_line(report))
     return 0

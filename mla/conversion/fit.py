@@ -37,6 +37,7 @@ weights and a generator seeded by (seed, layer), ends with the same weights as a
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, fields
@@ -58,6 +59,18 @@ ERROR_DEFINITION = ("relative output error of a layer's attention = Σ‖ŷ − 
                     "ŷ the converted layer's output on the same inputs, the layer in fp32")
 
 
+FIT_SCHEDULES = ("constant", "cosine")
+
+
+def fit_lr(settings: "FitSettings", step: int) -> float:
+    """The learning rate of a layer's step (0-based): constant, or cosine from lr at the first step to 0 after
+    the last (a decaying step size ends nearer the minimum in the same steps: the fit's held-out error at 120
+    cosine steps against 240 constant ones is in docs/fitting.md)."""
+    if settings.schedule == "constant":
+        return settings.lr
+    return settings.lr * 0.5 * (1.0 + math.cos(math.pi * step / settings.steps))
+
+
 @dataclass(frozen=True)
 class FitSettings:
     """What a fit computes (all of it is part of a workflow fit's key, mla/study/experiments.py)."""
@@ -72,11 +85,15 @@ class FitSettings:
                                               # that attend far are fitted only on sequences as long as their reach
     echo: int = FIT_DEFAULTS["echo"]          # tokens of each training sequence's first half repeated in its second
                                               # half (0: none): copying from far back, what pass-key retrieval does
+    schedule: str = FIT_DEFAULTS["schedule"]  # learning rate over a layer's steps: constant | cosine (to 0)
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("seed", "echo") and not value > 0:
+            if f.name == "schedule":
+                if value not in FIT_SCHEDULES:
+                    raise ValueError(f"fit schedule must be one of {', '.join(FIT_SCHEDULES)}, got {value!r}")
+            elif f.name not in ("seed", "echo") and not value > 0:
                 raise ValueError(f"fit setting {f.name} must be positive, got {value}")
 
 
@@ -202,7 +219,9 @@ def fit_layer(attn, kwargs: dict, x: torch.Tensor, y: torch.Tensor, settings: Fi
     b = min(settings.batch, n)
     order, pos, losses = rng.permutation(n), 0, []
     try:
-        for _ in range(settings.steps):
+        for step in range(settings.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = fit_lr(settings, step)
             if pos + b > n:
                 order, pos = rng.permutation(n), 0
             idx = torch.as_tensor(order[pos:pos + b], device=x.device)

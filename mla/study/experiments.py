@@ -186,7 +186,7 @@ def fit_settings(fit: dict | None) -> dict | None:
 
 
 # fit settings added later: left out of the key at these values, so that earlier fits keep their folders
-_FIT_KEY_OMITTED_AT = {"span": 1, "echo": 0}
+_FIT_KEY_OMITTED_AT = {"span": 1, "echo": 0, "schedule": "constant"}
 
 
 def fit_key(settings: dict) -> str:

@@ -20,7 +20,7 @@ rule calibrate:
         "logs/calibrate/{model}.log",
     benchmark:
         "benchmarks/calibrate/{model}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=1 if CALIBRATE_DEVICE == "cuda" else 0,
     shell:

@@ -18,6 +18,12 @@ from mla.study.train_options import WORKFLOW_NAMES, workflow_options
 PYTHON = shlex.quote(sys.executable)
 MLA = f"{PYTHON} -m mla"
 
+# Cores per job on a local machine: one. The study is many independent jobs, and one-thread jobs side by side
+# do more work than multi-thread jobs one after another: two SmolLM2 training steps at one thread each on 2 cores,
+# 1.27x the throughput of one at two threads (measured 2026-12-07, docs/results.md). A single long job can ask
+# for more with --set-threads finetune=N; clusters set theirs in workflow/profiles/slurm (set-threads).
+JOB_THREADS = 1
+
 
 # ---------------------------------------------------------------- config validation
 def check_config(cfg):
@@ -120,7 +126,9 @@ def convert_args(wc):
 # ---------------------------------------------------------------- fit rules
 def fit_args(wc):
     # the fit settings (all of them, defaults filled in): a change reruns the fit and what starts from it
-    settings = STUDY.fit(wc.model, wc.conversion, wc.fit).fit
+    settings = dict(STUDY.fit(wc.model, wc.conversion, wc.fit).fit)
+    if settings.get("schedule") == "constant":   # added later: left out at its default, so that the params of
+        del settings["schedule"]                  # earlier fits (a rerun trigger) stay as they were
     return " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in settings.items())
 
 

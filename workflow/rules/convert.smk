@@ -13,6 +13,6 @@ rule convert:
         "logs/convert/{model}/{conversion}.log",
     benchmark:
         "benchmarks/convert/{model}/{conversion}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     shell:
         "OMP_NUM_THREADS={threads} {MLA} convert --model {input.model} --out {output} {params.args} > {log} 2>&1"

@@ -34,7 +34,7 @@ rule evaluate:
         "logs/evaluate/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/evaluate/{model}/{start}/{recipe}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=EVALUATE_GPUS,
     shell:
@@ -57,7 +57,7 @@ rule evaluate_original:
         "logs/evaluate/{model}/original.log",
     benchmark:
         "benchmarks/evaluate/{model}/original.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=EVALUATE_GPUS,
     shell:
@@ -80,7 +80,7 @@ rule evaluate_inference:
         "logs/evaluate_inference/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/evaluate_inference/{model}/{start}/{recipe}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=EVALUATE_GPUS,
     shell:
@@ -102,7 +102,7 @@ rule evaluate_inference_original:
         "logs/evaluate_inference/{model}/original.log",
     benchmark:
         "benchmarks/evaluate_inference/{model}/original.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=EVALUATE_GPUS,
     shell:

@@ -39,7 +39,7 @@ rule finetune:
         "logs/finetune/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/finetune/{model}/{start}/{recipe}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         # one SLURM job per run with train.nodes nodes; `mla train --nodes N` starts one launcher per node
         nodes=finetune_nodes,

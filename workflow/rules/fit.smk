@@ -20,7 +20,7 @@ rule fit:
         "logs/fit/{model}/{conversion}/{fit}.log",
     benchmark:
         "benchmarks/fit/{model}/{conversion}/{fit}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=1 if FIT_DEVICE == "cuda" else 0,
     shell:

@@ -24,7 +24,7 @@ rule export:
         "logs/export/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/export/{model}/{start}/{recipe}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     shell:
         "MLA_SNAKEMAKE_RULE={rule} {MLA} export {input} --format deepseek_v3 --out {output} > {log} 2>&1"
 
@@ -45,7 +45,7 @@ rule serve_bench:
         "logs/serve_bench/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/serve_bench/{model}/{start}/{recipe}.tsv"
-    threads: 2
+    threads: JOB_THREADS
     resources:
         gpu=EVALUATE_GPUS,
     shell:
