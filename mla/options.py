@@ -24,3 +24,4 @@ DEFAULT_VALIDATION_TOKENS = 65536          # held-out tokens per data folder (`m
 # read, blocks per step, validation blocks for the held-out errors and loss (mla/conversion/fit.py)
 FIT_DEFAULTS = {"steps": 100, "lr": 1.0e-3, "blocks": 64, "batch": 8, "heldout": 64, "span": 1, "echo": 0,
                 "schedule": "constant"}
+FIT_SCHEDULES = ("constant", "cosine")     # the learning rate over a layer's steps (mla.conversion.fit.fit_lr)

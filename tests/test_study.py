@@ -243,6 +243,7 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
     ({"fit": {"span": 0}}, "experiments.gqa2mla.fit.span", "less than the minimum of 1"),
     ({"fit": {"echo": -1}}, "experiments.gqa2mla.fit.echo", "less than the minimum of 0"),
     ({"fit": {"echo": 65}}, "experiments.gqa2mla.fit.echo", "fit sequence of 128 tokens"),
+    ({"fit": {"schedule": "linear"}}, "experiments.gqa2mla.fit.schedule", "'linear' is not one of ['constant', 'cosine']"),
     ({"fit": {"heldout": 129, "span": 4}}, "experiments.gqa2mla.fit.heldout", "129 held-out sequences of 4 blocks"),
     ({"overrides": {"dkv8": {"fit": {"blocks": 2500, "span": 4}}}}, "data.max_tokens",
      "fit.blocks 2500 sequences x 4 blocks x 128"),

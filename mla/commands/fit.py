@@ -2,7 +2,7 @@
 fitting, teacher-forced; mla/conversion/fit.py) and write the fitted MLA checkpoint (+ fit.json)."""
 
 from mla.errors import UserError
-from mla.options import FIT_DEFAULTS
+from mla.options import FIT_DEFAULTS, FIT_SCHEDULES
 
 HELP = "fit each converted attention layer to the original layer's attention outputs, layer by layer"
 
@@ -28,7 +28,7 @@ def add_arguments(p):
     p.add_argument("--echo", type=int, default=FIT_DEFAULTS["echo"],
                    help="tokens of each training sequence's first half repeated in its second half, so that the "
                         f"fit asks for copying from far back (default {FIT_DEFAULTS['echo']}: none)")
-    p.add_argument("--schedule", choices=("constant", "cosine"), default=FIT_DEFAULTS["schedule"],
+    p.add_argument("--schedule", choices=FIT_SCHEDULES, default=FIT_DEFAULTS["schedule"],
                    help="learning rate over each layer's steps: constant, or cosine decay to 0 "
                         f"(default {FIT_DEFAULTS['schedule']})")
     p.add_argument("--seed", type=int, default=0, help="order in which the steps draw blocks (default 0)")

@@ -50,7 +50,7 @@ from mla import atomic, checkpoint, devices, shapes
 from mla.conversion import lowrank
 from mla.data import join_consecutive, open_blocks
 from mla.errors import UserError
-from mla.options import FIT_DEFAULTS
+from mla.options import FIT_DEFAULTS, FIT_SCHEDULES
 from mla.perplexity import perplexity
 from mla.stats import evenly_spaced, mean_and_stderr
 
@@ -59,13 +59,10 @@ ERROR_DEFINITION = ("relative output error of a layer's attention = Σ‖ŷ − 
                     "ŷ the converted layer's output on the same inputs, the layer in fp32")
 
 
-FIT_SCHEDULES = ("constant", "cosine")
-
-
 def fit_lr(settings: "FitSettings", step: int) -> float:
     """The learning rate of a layer's step (0-based): constant, or cosine from lr at the first step to 0 after
-    the last (a decaying step size ends nearer the minimum in the same steps: the fit's held-out error at 120
-    cosine steps against 240 constant ones is in docs/fitting.md)."""
+    the last (ends nearer the fit's minimum at wide caches, yet retrieved less after fine-tuning at narrow ones:
+    docs/fitting.md)."""
     if settings.schedule == "constant":
         return settings.lr
     return settings.lr * 0.5 * (1.0 + math.cos(math.pi * step / settings.steps))

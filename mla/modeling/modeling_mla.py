@@ -157,8 +157,8 @@ class MLAAttention(nn.Module):
 
         # The query and key are wider than the value (RoPE rows + the whole head). Fused kernels (PyTorch's flash
         # attention on the CPU, FlashAttention on GPUs) take one head width: zero columns appended to the value
-        # give the same output in those columns' place, and a layer's forward and backward at 512 tokens run
-        # 1.85x faster on the CPU than the unfused path a narrower value falls to (docs/model-api.md).
+        # give the same output in those columns' place; one layer's forward and backward at 512 tokens ran 1.85x
+        # faster on the CPU than on the unfused path a narrower value falls to (docs/model-api.md).
         pad = query.shape[-1] - value.shape[-1] if self.config._attn_implementation != "eager" else 0
         if pad > 0:
             value = nn.functional.pad(value, (0, pad))

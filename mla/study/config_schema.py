@@ -19,6 +19,7 @@ from mla.options import (
     DEFAULT_VALIDATION_FRACTION,
     DEFAULT_VALIDATION_TOKENS,
     FIT_DEFAULTS,
+    FIT_SCHEDULES,
     LATENT_LAYOUTS,
     MODEL_SOURCES,
     ROPE_STRATEGIES,
@@ -65,6 +66,7 @@ def load_schema() -> dict:
     props["mlflow"]["properties"]["tracking_uri"]["default"] = DEFAULT_TRACKING_URI
     for key, value in FIT_DEFAULTS.items():
         schema["$defs"]["fit"]["properties"][key]["default"] = value
+    schema["$defs"]["fit"]["properties"]["schedule"]["enum"] = list(FIT_SCHEDULES)
     props["data"]["properties"]["validation_tokens"]["default"] = DEFAULT_VALIDATION_TOKENS
     props["data"]["properties"]["validation_fraction"]["default"] = DEFAULT_VALIDATION_FRACTION
     for key in EVALUATE_DEFAULTS_FROM_CLI:

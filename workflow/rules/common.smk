@@ -18,11 +18,11 @@ from mla.study.train_options import WORKFLOW_NAMES, workflow_options
 PYTHON = shlex.quote(sys.executable)
 MLA = f"{PYTHON} -m mla"
 
-# Cores per job on a local machine: one. The study is many independent jobs, and one-thread jobs side by side
-# do more work than multi-thread jobs one after another: two SmolLM2 training steps at one thread each on 2 cores,
-# 1.27x the throughput of one at two threads (measured 2026-12-07, docs/results.md). A single long job can ask
-# for more with --set-threads finetune=N; clusters set theirs in workflow/profiles/slurm (set-threads).
-JOB_THREADS = 1
+# Cores per job on a local machine. One-thread jobs side by side do more work per core (2026-12-07, 2 cores: jobs'
+# summed wall time 1.11x lower than at two threads), but the default run's last jobs then ran alone on one core
+# and the run took as long (67 vs 68 min; docs/workflow.md). A long single job can take more with
+# --set-threads finetune=N; clusters set theirs in workflow/profiles/slurm (set-threads).
+JOB_THREADS = 2
 
 
 # ---------------------------------------------------------------- config validation
