@@ -49,6 +49,9 @@ def main(out: Path, stages: list[int]) -> None:
         cfg.world_size = world
         cfg = resolve(cfg)
         ds = deepspeed_config(cfg, cuda=False)
+        # the plan counts a GPU's memory: its gradient layout (contiguous, which the CPU config leaves off)
+        ds["zero_optimization"]["contiguous_gradients"] = deepspeed_config(cfg, cuda=True)["zero_optimization"].get(
+            "contiguous_gradients", True)
         ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2, train_batch_size=cfg.global_batch,
                   bf16={"enabled": True})
         model = tiny_llama(num_kv_heads=2, tie_word_embeddings=False).to(torch.bfloat16).train()

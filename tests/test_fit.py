@@ -100,7 +100,9 @@ def test_a_bf16_model_is_fitted_in_fp32_and_cast_back_once():
         assert all(t.dtype == torch.float32 for t in state.values())
         for name, p in layer.self_attn.state_dict().items():          # the model holds the fp32 fit, cast once
             assert p.dtype == torch.bfloat16 and torch.equal(p, state[name].to(torch.bfloat16)), name
-        assert report["layers"][i]["error_after"] < report["layers"][i]["error_before"]
+        assert report["layers"][i]["error_after"] <= report["layers"][i]["error_before"]
+    # random weights and data: the fit helps held out in some layers (a layer it would worsen keeps its conversion)
+    assert any(e["error_after"] < e["error_before"] for e in report["layers"])
     assert all(p.dtype == torch.bfloat16 for p in converted.parameters())
 
 

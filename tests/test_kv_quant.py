@@ -156,13 +156,21 @@ def test_absorbed_decode_with_2d_and_no_mask_equals_the_non_absorbed_path():
 
 
 def test_quantized_losses_pair_every_width_with_full_precision():
-    model = converted()
+    torch.manual_seed(0)
+    source = tiny_llama(num_kv_heads=2)
+    with torch.no_grad():          # attention that moves the loss (at the 0.02 init its effect is ~1e-5 nats)
+        for layer in source.model.layers:
+            layer.self_attn.v_proj.weight.normal_(0, 0.3)
+            layer.self_attn.o_proj.weight.normal_(0, 0.3)
+    model, _ = convert_model(source, d_kv=8, r=2, strategy="uniform", svd="joint")
+    model.eval()
     blocks = np.random.RandomState(0).randint(1, 512, (6, 40))
     res = quantized_cache_losses(model, blocks, [4, 8, 2], group_size=GROUP, residual=RESIDUAL, scored=8,
                                  log=lambda *_: None)
     assert list(res["bits"]) == ["16", "8", "4", "2"] and res["prefix_tokens"] == 31 and res["blocks"] == 6
     assert abs(res["bits"]["8"]["loss_change"]) < 1e-3
-    assert abs(res["bits"]["2"]["loss_change"]) > abs(res["bits"]["8"]["loss_change"])
+    # 2 bits move each block's loss far more than 8 (the spread of the paired differences; their means are noise)
+    assert res["bits"]["2"]["loss_change_stderr"] > 10 * res["bits"]["8"]["loss_change_stderr"]
     assert all(res["bits"][b]["loss_change_stderr"] > 0 for b in ("8", "4", "2"))
 
 

@@ -1,5 +1,6 @@
-"""Balanced low-rank factors: each latent channel's down row and up column have equal norms, in every SVD
-branch and after a layer fit, and the function the factors compute is the unbalanced one's."""
+"""Balanced weights: each latent channel's down row and up column have equal norms in every SVD branch; a
+converted attention is balanced in all three of its rescalings (latent, value, key channels: mla/conversion/
+balance.py) after conversion and after a layer fit; the function is the unbalanced one's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla.conversion import calibrate, lowrank
+from mla.conversion import balance, calibrate, lowrank
 from mla.conversion.convert import convert_model
 from mla.tiny_models import tiny_llama
 
@@ -65,28 +66,92 @@ def test_balance_factors_keeps_the_product_and_handles_a_zero_channel():
     torch.testing.assert_close(b_down[3], down[3])
 
 
-@pytest.mark.parametrize("svd", ["joint", "split"])
-def test_balance_attention_on_a_converted_model_keeps_its_logits(svd):
-    model = tiny_llama(num_kv_heads=2, seed=3).eval()
+def _converted(svd="joint", strategy="high", latent="per_head", bias=False, num_kv_heads=2):
+    model = tiny_llama(num_kv_heads=num_kv_heads, seed=3, attention_bias=bias).eval()
+    if bias:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    getattr(layer.self_attn, proj).bias.normal_(0, 0.5)
     blocks = [torch.as_tensor(b) for b in np.random.default_rng(1).integers(1, 512, (8, 32))]
-    covs = {"covariance": calibrate.calibration_pass(model, blocks, scores=False, covariance=True)["covariance"]}
-    mla, _ = convert_model(model, d_kv=4, r=2, strategy="high", svd=svd, covariances=covs, whiten=True)
-    mla.eval()
-    ids = torch.stack(blocks[:2])
-    for layer in mla.model.layers:                     # converted balanced
-        assert lowrank.attention_imbalance(layer.self_attn) == pytest.approx(1.0, abs=1e-3)
+    cal = calibrate.calibration_pass(model, blocks, covariance=True, batch_size=4)
+    covs = {"covariance": cal["covariance"]}
+    mla, _ = convert_model(model, d_kv=4, r=2, strategy=strategy, svd=svd, covariances=covs, whiten=True,
+                           scores=cal if strategy == "rotated" else None, latent=latent)
+    return model, mla.eval(), torch.stack(blocks[:2])
+
+
+def _unbalance(attn, seed=0):
+    """Rescale each of the three groups' channels by factors up to 100 either way, as Adam's steps drift them
+    apart: the same function."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for norms, scale in balance.GROUPS.values():
+            grow, _ = norms(attn)
+            scale(attn, torch.exp(torch.empty(grow.shape[0], dtype=torch.float64).uniform_(-4.6, 4.6, generator=g)))
+
+
+@pytest.mark.parametrize("svd,strategy,latent,bias,num_kv_heads", [
+    ("joint", "high", "per_head", False, 2),
+    ("split", "high", "per_head", False, 2),
+    ("joint", "high", "per_head", True, 4),
+    ("joint", "rotated", "per_head", True, 2),
+    ("joint", "rotated", "shared", False, 2),
+], ids=["joint-GQA", "split-GQA", "biases-MHA", "rotated-biases-GQA", "rotated-shared-latent"])
+def test_balance_attention_balances_every_group_and_keeps_the_logits(svd, strategy, latent, bias, num_kv_heads):
+    source, mla, ids = _converted(svd, strategy, latent, bias, num_kv_heads)
+    for layer in mla.model.layers:                     # the conversion hands over balanced weights
+        assert balance.attention_imbalance(layer.self_attn) == pytest.approx(1.0, abs=1e-3)
     with torch.no_grad():
         reference = mla(ids).logits
-        attn = mla.model.layers[0].self_attn            # unbalance one layer as Adam's steps would
-        scale = torch.logspace(-2, 2, attn.kv_down.weight.shape[0])
-        attn.kv_down.weight.mul_(scale[:, None])
-        for linear, channels in lowrank._latent_readers(attn):
-            linear.weight.div_(scale[channels])
-    assert lowrank.attention_imbalance(attn) > 100
-    assert lowrank.balance_attention(attn) > 100       # returns the imbalance it removed
-    assert lowrank.attention_imbalance(attn) == pytest.approx(1.0, abs=1e-3)
+        torch.testing.assert_close(reference, source(ids).logits, rtol=1, atol=10)   # sanity: a converted model
+    attn = mla.model.layers[0].self_attn
+    _unbalance(attn)
+    with torch.no_grad():
+        torch.testing.assert_close(mla(ids).logits, reference, rtol=1e-4, atol=1e-4)   # the same function ...
+    before = balance.imbalances(attn)
+    assert all(v > 10 for v in before.values()), before                             # ... every group far apart
+    assert balance.balance_attention(attn) == pytest.approx(max(before.values()))   # returns what it removed
+    after = balance.imbalances(attn)
+    assert all(v == pytest.approx(1.0, abs=1e-3) for v in after.values()), after
     with torch.no_grad():
         torch.testing.assert_close(mla(ids).logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_balanced_means_equal_mean_squares_on_both_sides_of_each_channel():
+    """The definition, computed from the weights themselves: per value channel of K/V head h, v_up's row
+    against the o_proj columns of h's query heads; per key channel, k_up's row against the query's no-RoPE
+    rows; per latent channel, kv_down's row against the up-projections' columns; each side's squared norm
+    divided by its matrix's size."""
+    _, mla, _ = _converted(num_kv_heads=2)
+    attn = mla.model.layers[1].self_attn
+    _unbalance(attn, seed=1)
+    balance.balance_attention(attn)
+    n_kv, groups, d_h = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim
+    v, o = attn.v_up.weight.detach().double(), attn.o_proj.weight.detach().double()
+    k = attn.k_up.weight.detach().double()
+    q = attn.q_proj.weight.detach().double().view(attn.num_heads, -1, o.shape[0])
+    down = attn.kv_down.weight.detach().double()
+    for h in range(n_kv):
+        heads = range(h * groups, (h + 1) * groups)
+        for i in range(d_h):
+            columns = o[:, [j * d_h + i for j in heads]]
+            assert v[h * d_h + i].pow(2).sum() / v.numel() == pytest.approx(columns.pow(2).sum() / o.numel(), rel=1e-3)
+        for i in range(attn.nope_dim):
+            rows = q[list(heads), attn.rope_dim + i]
+            assert k[h * attn.nope_dim + i].pow(2).sum() / k.numel() == pytest.approx(
+                rows.pow(2).sum() / q.numel(), rel=1e-3)
+    up = k.pow(2).sum(0) / k.numel() + v.pow(2).sum(0) / v.numel()
+    torch.testing.assert_close(down.pow(2).sum(1) / down.numel(), up, rtol=1e-3, atol=0)
+
+
+def test_balance_leaves_the_source_model_alone():
+    """The conversion reuses no source tensor that balancing scales (o_proj, v_proj's bias)."""
+    model = tiny_llama(num_kv_heads=2, seed=3, attention_bias=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_model(model, d_kv=4, r=2, strategy="high")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
 def test_a_layer_fit_leaves_every_layer_balanced_and_reports_what_it_had():
@@ -98,5 +163,5 @@ def test_a_layer_fit_leaves_every_layer_balanced_and_reports_what_it_had():
     report = fit.fit_model(source, converted, g.integers(1, 512, (16, 32)), g.integers(1, 512, (4, 32)),
                            fit.FitSettings(steps=20, lr=1e-2, batch=4), log=lambda *a: None)
     for entry, layer in zip(report["layers"], converted.model.layers):
-        assert entry["factor_imbalance"] > 1.0                     # Adam's steps moved the factors apart
-        assert lowrank.attention_imbalance(layer.self_attn) == pytest.approx(1.0, abs=1e-3)
+        assert entry["factor_imbalance"] > 1.0                     # Adam's steps moved the weights apart
+        assert balance.attention_imbalance(layer.self_attn) == pytest.approx(1.0, abs=1e-3)

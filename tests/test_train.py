@@ -191,6 +191,10 @@ def test_deepspeed_config_is_explicit_where_it_matters(tmp_path):
     assert {cpu[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")} \
         == {"auto"}
     assert deepspeed_config(cfg, cuda=True)["zero_force_ds_cpu_optimizer"] is True
+    stage2 = resolve(TrainConfig(model="m", data="d", out=str(tmp_path / "o"), zero_stage=2))
+    # contiguous gradient buffers against GPU memory fragmentation; on the CPU only an extra copy per step
+    assert deepspeed_config(stage2, cuda=True)["zero_optimization"]["contiguous_gradients"] is True
+    assert deepspeed_config(stage2, cuda=False)["zero_optimization"]["contiguous_gradients"] is False
     import torch
 
     from mla.training.optimizer import optimizer_class_and_kwargs

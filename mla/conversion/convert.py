@@ -22,7 +22,7 @@ import torch
 
 from mla import atomic, checkpoint, shapes
 from mla.conversion import layout as layouts
-from mla.conversion import lowrank, partial_rope, rotation
+from mla.conversion import balance, lowrank, partial_rope, rotation
 from mla.conversion.ladder import ladder_for
 from mla.errors import UserError
 from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
@@ -105,7 +105,7 @@ def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str,
     groups = n_h // n_kv
     if rotated is not None:
         out, k_nope, k_nope_bias = _rotated_rows(attn, rotated, head_dim)
-        out["o_proj.weight"] = attn.o_proj.weight.data
+        out["o_proj.weight"] = attn.o_proj.weight.data.clone()   # balanced later: not the source's tensor
         rope_dim, head_width = 2 * rotated.kept.shape[0], 2 * rotated.kept.shape[0] + head_dim
         # W_k,nope has d_h rows per head but rank n_kv·d_h − 2m: "none" is the joint SVD at that full rank
         method = "joint" if svd == "none" else svd
@@ -115,7 +115,7 @@ def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str,
         nope_k = partial_rope.nope_dims(pairs, head_dim)
         out = {"q_proj.weight": _gather_rows(attn.q_proj.weight.data, perm_q, head_dim),
                "k_rope_proj.weight": _gather_rows(attn.k_proj.weight.data, rope_k, head_dim),
-               "o_proj.weight": attn.o_proj.weight.data}
+               "o_proj.weight": attn.o_proj.weight.data.clone()}
         k_nope = _gather_rows(attn.k_proj.weight.data, nope_k, head_dim)
         if attn.q_proj.bias is not None:  # biases follow their rows; the latent has none
             out["q_proj.bias"] = _gather_rows(attn.q_proj.bias.data, perm_q, head_dim)
@@ -135,7 +135,7 @@ def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str,
                 "v_up.weight": _repeat_heads(factors.up_v.to(dtype), n_kv, up_groups)})
     if k_nope_bias is not None:
         out["k_up.bias"] = _repeat_heads(k_nope_bias, n_kv, up_groups)
-        out["v_up.bias"] = _repeat_heads(attn.v_proj.bias.data, n_kv, up_groups)
+        out["v_up.bias"] = _repeat_heads(attn.v_proj.bias.data.clone(), n_kv, up_groups)   # balanced later
     if attn.o_proj.bias is not None:
         out["o_proj.bias"] = attn.o_proj.bias.data
     if nope_query_scale != 1.0:
@@ -304,6 +304,8 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
     if leftovers:
         raise RuntimeError(f"conversion left uninitialised tensors: {leftovers}")
     mla_model.eval()
+    # the SVD balanced each latent; the value and key channels against o_proj / q_proj are balanced here
+    imbalances = [balance.balance_attention(layer.self_attn) for layer in mla_model.model.layers]
 
     plan = shapes.plan_layout(cfg_dict, layout)
     report = {**plan, "rope_strategy": strategy, "svd": svd,
@@ -311,6 +313,7 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
               "params_after_counted": count_parameters(mla_model),
               "reconstruction_error_per_layer": errors,
               "reconstruction_error_mean": sum(errors) / len(errors),
+              "factor_imbalance_per_layer": imbalances,   # what balancing removed (mla/conversion/balance.py)
               "whitened": whiten}
     if rotated is not None:   # per layer, the kept (frequency pair, rotated component) of the shared RoPE key
         report["rotated_components_per_layer"] = [layer.kept.tolist() for layer in rotated]

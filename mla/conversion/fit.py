@@ -9,7 +9,7 @@ converted layer's `self_attn` is trained with Adam on ‖ŷ − y‖² / ‖y‖
 blocks; then the residual stream advances through the *source* layer i, so every layer is fitted to the
 original hidden states and the layers' fits are independent of one another. A layer whose fitted weights
 err more on the held-out blocks than its converted ones keeps the converted ones (`kept` in fit.json). The
-kept layer's latent factors are then balanced per channel (mla/conversion/lowrank.py; `factor_imbalance` in
+kept layer's weights are then balanced per channel (mla/conversion/balance.py; `factor_imbalance` in
 fit.json is the ratio they had).
 
 The converted attention module is a black box: it is called with exactly the keyword arguments its own
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from mla import atomic, checkpoint, devices, shapes
-from mla.conversion import lowrank
+from mla.conversion import balance
 from mla.data import join_consecutive, open_blocks
 from mla.errors import UserError
 from mla.options import FIT_DEFAULTS, FIT_SCHEDULES
@@ -380,8 +380,8 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
             attn.load_state_dict(converted_state)
         error_after = min(error_fitted, error_before)
         del converted_state
-        # Adam's steps scale the latent's down and up factors unevenly; fine-tuning starts from balanced ones
-        imbalance = lowrank.balance_attention(attn)
+        # Adam's steps scale the two sides of each product unevenly; fine-tuning starts from balanced ones
+        imbalance = balance.balance_attention(attn)
         state = {k: v.detach().to("cpu", copy=True) for k, v in attn.state_dict().items()}
         attn.to(dtype)                        # back to the job's dtype, once
         del x_train, y_train, x_held, y_held

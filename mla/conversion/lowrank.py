@@ -8,8 +8,9 @@ Balanced factors: every branch ends with `balance_factors`, which rescales each 
 ‖down row i‖ = ‖up column i‖ (for the plain SVD that is exactly Σ^½ on each side). The function is
 unchanged, but Adam's step ignores a weight's scale: with Σ and the whitening's L⁻¹ all on one side, the
 factors of SmolLM2's layer 0 differed 279× per channel, the small up-projections moved 18 % in 25
-fine-tuning steps and the gradient norm spiked to 733 (docs/conversion.md). `balance_attention` does the same to a
-converted attention module (after a layer fit, whose Adam steps may unbalance it again).
+fine-tuning steps and the gradient norm spiked to 733 (docs/conversion.md). mla/conversion/balance.py does the
+same to a converted attention module, with its value and key channels too (after conversion, and after a layer
+fit, whose Adam steps unbalance it again).
 
 - joint: one SVD of the stacked key-nope and value rows, rank ρ = n_kv·d_kv.
 - split: K and V separately, rank ρ/2 each, so the cache size equals joint's at the same d_kv.
@@ -100,43 +101,6 @@ def _largest_ratio(scales: torch.Tensor) -> float:
 def imbalance(up: torch.Tensor, down: torch.Tensor) -> float:
     """The largest per-channel ratio max(‖up col‖/‖down row‖, its inverse): 1 when balanced."""
     return _largest_ratio(channel_scales(up, down))
-
-
-def _latent_readers(attn) -> list[tuple[torch.nn.Linear, slice]]:
-    """The up-projections of a converted attention and the latent channels each reads (split: halves)."""
-    rank = attn.kv_down.weight.shape[0]
-    k_width = attn.k_up.weight.shape[1]
-    if k_width == rank:
-        return [(attn.k_up, slice(0, rank)), (attn.v_up, slice(0, rank))]
-    return [(attn.k_up, slice(0, k_width)), (attn.v_up, slice(k_width, rank))]
-
-
-def _up_matrix(attn) -> torch.Tensor:
-    """[rows, ρ]: every up-projection's column for each latent channel (zeros where it does not read it)."""
-    rank = attn.kv_down.weight.shape[0]
-    blocks = []
-    for linear, channels in _latent_readers(attn):
-        block = torch.zeros(linear.weight.shape[0], rank, dtype=torch.float64, device=linear.weight.device)
-        block[:, channels] = linear.weight.detach().double()
-        blocks.append(block)
-    return torch.cat(blocks)
-
-
-@torch.no_grad()
-def balance_attention(attn) -> float:
-    """Balance a converted attention module's kv_down against k_up / v_up in place (the same function; the
-    up biases are untouched); returns the imbalance it had."""
-    s = channel_scales(_up_matrix(attn), attn.kv_down.weight.detach().double())
-    down = attn.kv_down.weight.double()
-    attn.kv_down.weight.copy_((down * s[:, None]).to(attn.kv_down.weight.dtype))
-    for linear, channels in _latent_readers(attn):
-        linear.weight.copy_((linear.weight.double() / s[channels]).to(linear.weight.dtype))
-    return _largest_ratio(s)
-
-
-def attention_imbalance(attn) -> float:
-    """`imbalance` of a converted attention module's latent factors."""
-    return imbalance(_up_matrix(attn), attn.kv_down.weight.detach().double())
 
 
 def _truncated(m: torch.Tensor, rank: int, white: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,9 @@ def deepspeed_config(cfg, cuda: bool) -> dict:
     """DeepSpeed config dict for a resolved `TrainConfig`."""
     zero: dict = {"stage": cfg.zero_stage}
     if cfg.zero_stage in (1, 2):
-        zero.update({"contiguous_gradients": True, "overlap_comm": cuda,
+        # contiguous gradients avoid fragmenting GPU memory; on the CPU they are one more copy of every
+        # gradient per step (one SmolLM2 step on 2 cores: 5.0 s with, 4.5 s without; docs/training.md)
+        zero.update({"contiguous_gradients": cuda, "overlap_comm": cuda,
                      "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8})
     if cfg.zero_stage == 3:
         # without it Trainer.save_model writes no weights under ZeRO-3
