@@ -77,7 +77,7 @@ def _converted(svd="joint", strategy="high", latent="per_head", bias=False, num_
     cal = calibrate.calibration_pass(model, blocks, covariance=True, batch_size=4)
     covs = {"covariance": cal["covariance"]}
     mla, _ = convert_model(model, d_kv=4, r=2, strategy=strategy, svd=svd, covariances=covs, whiten=True,
-                           scores=cal if strategy == "rotated" else None, latent=latent)
+                           scores=cal if strategy in ("rotated", "2-norm") else None, latent=latent)
     return model, mla.eval(), torch.stack(blocks[:2])
 
 
@@ -152,6 +152,29 @@ def test_balance_leaves_the_source_model_alone():
     convert_model(model, d_kv=4, r=2, strategy="high")
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("svd,strategy,latent,bias,num_kv_heads", [
+    ("joint", "high", "per_head", False, 2),
+    ("split", "2-norm", "per_head", True, 2),
+    ("joint", "high", "per_head", False, 4),
+    ("joint", "rotated", "per_head", True, 2),
+    ("joint", "rotated", "shared", False, 2),
+], ids=["joint-GQA", "split-2norm-biases", "MHA", "rotated-biases", "rotated-shared-latent"])
+def test_at_source_scale_gives_back_the_weights_the_svd_gave(monkeypatch, svd, strategy, latent, bias, num_kv_heads):
+    """The layer fit's starting point: a balanced conversion rescaled to o_proj and the query as the source has
+    them and the latent balanced by norms is exactly the conversion without `balance_attention`."""
+    from mla.conversion import convert as convert_module
+
+    source, balanced, ids = _converted(svd, strategy, latent, bias, num_kv_heads)
+    monkeypatch.setattr(convert_module.balance, "balance_attention", lambda attn: 1.0)
+    _, plain, _ = _converted(svd, strategy, latent, bias, num_kv_heads)
+    for b_layer, p_layer, s_layer in zip(balanced.model.layers, plain.model.layers, source.model.layers):
+        assert balance.attention_imbalance(p_layer.self_attn) > 1.5          # the SVD's weights are not balanced
+        balance.at_source_scale(b_layer.self_attn, s_layer.self_attn)
+        for name, p in p_layer.self_attn.state_dict().items():
+            torch.testing.assert_close(b_layer.self_attn.state_dict()[name], p, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(balanced.model.layers[0].self_attn.o_proj.weight, source.model.layers[0].self_attn.o_proj.weight)
 
 
 def test_a_layer_fit_leaves_every_layer_balanced_and_reports_what_it_had():

@@ -14,17 +14,22 @@ product is much smaller than the other, fine-tuning moves it by a large fraction
 the latent (mla/conversion/lowrank.py), but nothing balanced the other two: SmolLM2's layer 0 at GQA d_kv 8
 came out of the fit with v_up 15× smaller than k_up and 3× smaller than o_proj (mean |w|), and in the
 default's fine-tuning its gradient norm went from 5.5 to 110 in one step, v_up's gradient the largest;
-balanced in all three, the same steps gave 7.5 (docs/conversion.md).
+balanced in all three, the same steps gave 9.1 there and 47 at most (docs/conversion.md).
 
-`balance_attention` brings all three to balance: the scales s that minimise the weights' total squared norm
-over the three groups of rescalings, found by balancing each group in turn. That minimum is unique (the
-squared norm is a convex function of log s) and is where every channel's two sides have equal norms, which
-is also what weight decay drifts toward and what gradient flow keeps. The RoPE rows are left as they are.
+`balance_attention` brings all three to balance: the scales that minimise the sum of the five weights' mean
+squares (kv_down, k_up, v_up, o_proj, q_proj) over the three groups of rescalings, found by balancing each
+group in turn. That minimum is unique (a convex function of the log-scales) and is where each channel's two
+sides have equal mean squares: each side's squared norm divided by its matrix's size. Mean squares, not norms,
+because Adam moves every element by about the learning rate: at a fixed product, the two factors change least
+relative to themselves when their elements are of one size (by norms, o_proj's 1,728-element columns would
+end 7× smaller per element than before). The RoPE rows are left as they are.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mla.conversion import partial_rope
 
 ROUNDS = 1000           # passes over the three groups (on per-channel sums: microseconds each)
 TOLERANCE = 1e-4        # stop when every channel's two sides differ by at most this ratio minus 1
@@ -187,3 +192,49 @@ def balance_attention(attn) -> float:
     _scale_values(attn, b)
     _scale_keys(attn, c)
     return before
+
+
+# ---------------------------------------------------------------- the layer fit's starting scale
+def _source_query_nope_rows(attn, source_attn) -> torch.Tensor:
+    """[n_h, nope]: the source q_proj row behind each no-RoPE row of the converted query."""
+    d_h, n_h = attn.head_dim, attn.num_heads
+    heads = torch.arange(n_h)[:, None] * d_h
+    if attn.config.rope_layout == "shared":           # the whole source head, in order
+        return heads + torch.arange(attn.nope_dim)
+    source_kv = source_attn.k_proj.weight.shape[0] // d_h
+    pairs = torch.as_tensor(attn.config.rope_pairs[attn.layer_idx])               # [source K/V heads, r]
+    return heads + partial_rope.nope_dims(pairs, d_h).repeat_interleave(n_h // source_kv, dim=0)
+
+
+def _quotient(current: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """current / target per channel (1 where either is zero): the scale that takes one side to its target."""
+    ok = (current > 0) & (target > 0)
+    return torch.where(ok, current / torch.where(ok, target, 1.0), 1.0)
+
+
+def _column_norms(o: torch.Tensor, n_kv: int, groups: int, d_h: int) -> torch.Tensor:
+    return o.detach().double().view(o.shape[0], n_kv, groups, d_h).pow(2).sum(dim=(0, 2)).sqrt().reshape(-1)
+
+
+@torch.no_grad()
+def at_source_scale(attn, source_attn) -> None:
+    """Rescale a converted attention (the same function) to the scale the conversion's SVD gives it: o_proj and
+    the query's no-RoPE rows as the source has them (per value / key channel, their norms), each latent
+    channel's down row and up columns of equal norm. The layer fit starts here: its learning rate was chosen
+    at this scale, and fitting from the balanced point fitted worse (docs/conversion.md)."""
+    n_kv, groups = _query_heads(attn)
+    src_o = _column_norms(source_attn.o_proj.weight, n_kv, groups, attn.head_dim)
+    _scale_values(attn, _quotient(_column_norms(attn.o_proj.weight, n_kv, groups, attn.head_dim), src_o))
+    rows = _source_query_nope_rows(attn, source_attn).to(source_attn.q_proj.weight.device)
+    src_q = source_attn.q_proj.weight.detach().double()[rows.reshape(-1)]
+    src_q = src_q.view(n_kv, groups, attn.nope_dim, src_q.shape[-1]).pow(2).sum(dim=(1, 3)).sqrt().reshape(-1)
+    src_q = src_q * float((getattr(attn.config, "mha2mla", None) or {}).get("nope_query_scale", 1.0))
+    q, _ = _query_nope(attn)
+    _scale_keys(attn, _quotient(q.detach().double().pow(2).sum(dim=(1, 3)).sqrt().reshape(-1), src_q))
+    down = attn.kv_down.weight.detach().double().pow(2).sum(dim=1)
+    up = torch.zeros_like(down)
+    for linear, channels in _latent_readers(attn):
+        up[channels] += linear.weight.detach().double().pow(2).sum(dim=0)
+    if attn.config.latent_layout == "shared":     # the SVD balanced the up rows once per K/V head, not per copy
+        up = up / (attn.num_heads // (source_attn.k_proj.weight.shape[0] // attn.head_dim))
+    _scale_latent(attn, _ratio(down, up))        # norms (not mean squares) equal, as the SVD leaves them

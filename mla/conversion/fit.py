@@ -9,7 +9,8 @@ converted layer's `self_attn` is trained with Adam on ‖ŷ − y‖² / ‖y‖
 blocks; then the residual stream advances through the *source* layer i, so every layer is fitted to the
 original hidden states and the layers' fits are independent of one another. A layer whose fitted weights
 err more on the held-out blocks than its converted ones keeps the converted ones (`kept` in fit.json). The
-kept layer's weights are then balanced per channel (mla/conversion/balance.py; `factor_imbalance` in
+layer is fitted from the scale the conversion's SVD gives it (o_proj and the query as the source has them), and
+the kept layer's weights are then balanced per channel (mla/conversion/balance.py; `factor_imbalance` in
 fit.json is the ratio they had).
 
 The converted attention module is a black box: it is called with exactly the keyword arguments its own
@@ -369,6 +370,7 @@ def fit_model(source, converted, train_blocks, heldout_blocks, settings: FitSett
         x_train, y_train = teacher_pass(src_layer, src_kwargs[i], streams["train"], batch)
         x_held, y_held = teacher_pass(src_layer, src_kwargs[i], streams["heldout"], batch)
         attn.float()
+        balance.at_source_scale(attn, src_layer.self_attn)   # the scale the fit's learning rate was chosen at
         error_before = relative_error(attn, conv_kwargs[i], x_held, y_held, batch)
         converted_state = {k: v.detach().to("cpu", copy=True) for k, v in attn.state_dict().items()}   # off the GPU
         losses = fit_layer(attn, conv_kwargs[i], x_train, y_train, settings, i)
