@@ -347,6 +347,8 @@ def _filled_deepspeed_config(precision: str, cuda: bool, micro_batch: int) -> di
 
     cfg = TrainConfig(model="-", data="-", out="-", zero_stage=2, precision=precision, micro_batch=micro_batch)
     ds = deepspeed_config(cfg, cuda)
+    # the plan counts a GPU's buffers: contiguous gradients, which the CPU config leaves off (one copy fewer per step)
+    ds["zero_optimization"]["contiguous_gradients"] = True
     ds.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1, train_batch_size=micro_batch)
     ds["bf16"] = {"enabled": precision == "bf16"}
     return ds
