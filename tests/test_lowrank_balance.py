@@ -91,13 +91,20 @@ def _unbalance(attn, seed=0):
             scale(attn, torch.exp(torch.empty(grow.shape[0], dtype=torch.float64).uniform_(-4.6, 4.6, generator=g)))
 
 
-@pytest.mark.parametrize("svd,strategy,latent,bias,num_kv_heads", [
+# (svd, strategy, latent, bias, num_kv_heads): the layouts both balancing tests run on
+LAYOUTS = pytest.mark.parametrize("svd,strategy,latent,bias,num_kv_heads", [
     ("joint", "high", "per_head", False, 2),
     ("split", "high", "per_head", False, 2),
+    ("split", "2-norm", "per_head", True, 2),
+    ("joint", "high", "per_head", False, 4),
     ("joint", "high", "per_head", True, 4),
     ("joint", "rotated", "per_head", True, 2),
     ("joint", "rotated", "shared", False, 2),
-], ids=["joint-GQA", "split-GQA", "biases-MHA", "rotated-biases-GQA", "rotated-shared-latent"])
+], ids=["joint-GQA", "split-GQA", "split-2norm-biases", "MHA", "biases-MHA", "rotated-biases-GQA",
+        "rotated-shared-latent"])
+
+
+@LAYOUTS
 def test_balance_attention_balances_every_group_and_keeps_the_logits(svd, strategy, latent, bias, num_kv_heads):
     source, mla, ids = _converted(svd, strategy, latent, bias, num_kv_heads)
     for layer in mla.model.layers:                     # the conversion hands over balanced weights
@@ -154,13 +161,7 @@ def test_balance_leaves_the_source_model_alone():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("svd,strategy,latent,bias,num_kv_heads", [
-    ("joint", "high", "per_head", False, 2),
-    ("split", "2-norm", "per_head", True, 2),
-    ("joint", "high", "per_head", False, 4),
-    ("joint", "rotated", "per_head", True, 2),
-    ("joint", "rotated", "shared", False, 2),
-], ids=["joint-GQA", "split-2norm-biases", "MHA", "rotated-biases", "rotated-shared-latent"])
+@LAYOUTS
 def test_at_source_scale_gives_back_the_weights_the_svd_gave(monkeypatch, svd, strategy, latent, bias, num_kv_heads):
     """The layer fit's starting point: a balanced conversion rescaled to o_proj and the query as the source has
     them and the latent balanced by norms is exactly the conversion without `balance_attention`."""

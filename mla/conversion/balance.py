@@ -87,10 +87,16 @@ def _query_heads(attn) -> tuple[int, int]:
     return attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
 
 
-def _value_norms(attn) -> tuple[torch.Tensor, torch.Tensor]:
+def _value_channel_squares(attn, o_proj_weight: torch.Tensor) -> torch.Tensor:
+    """Per value channel (K/V head h, dim i), the squared norm of o_proj's input column i of h's query heads."""
     n_kv, groups = _query_heads(attn)
-    o = attn.o_proj.weight.detach().double().view(-1, n_kv, groups, attn.head_dim)
-    return _mean_square(attn.v_up, 1), (o.pow(2).sum(dim=(0, 2)) / _size(o)).reshape(-1)
+    o = o_proj_weight.detach().double().view(o_proj_weight.shape[0], n_kv, groups, attn.head_dim)
+    return o.pow(2).sum(dim=(0, 2)).reshape(-1)
+
+
+def _value_norms(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    o = attn.o_proj.weight
+    return _mean_square(attn.v_up, 1), _value_channel_squares(attn, o) / _size(o)
 
 
 def _scale_values(attn, s: torch.Tensor) -> None:
@@ -162,10 +168,6 @@ def _balancing_scales(attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b = torch.ones(v2.shape[0], dtype=torch.float64, device=k2.device)
     c = torch.ones(k2.shape[0], dtype=torch.float64, device=k2.device)
 
-    def fourth_root(shrink, grow):
-        ok = (grow > 0) & (shrink > 0)
-        return torch.where(ok, (shrink / torch.where(ok, grow, 1.0)) ** 0.25, 1.0)
-
     def up_side(a):          # each latent channel's up-projection columns, after the value and key scales
         up = torch.zeros(rank, dtype=torch.float64, device=k2.device)
         up[k_cols] += (c[:, None] ** 2 * k2).sum(0)
@@ -173,10 +175,10 @@ def _balancing_scales(attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return up / a ** 2
 
     for _ in range(ROUNDS):
-        a = fourth_root(up_side(torch.ones_like(a)), down2)
-        b = fourth_root(o2, (v2 / a[v_cols] ** 2).sum(1))
-        c = fourth_root(q2, (k2 / a[k_cols] ** 2).sum(1))
-        latent = fourth_root(up_side(a), down2 * a ** 2)    # what a latent pass would still change
+        a = _ratio(down2, up_side(torch.ones_like(a)))
+        b = _ratio((v2 / a[v_cols] ** 2).sum(1), o2)
+        c = _ratio((k2 / a[k_cols] ** 2).sum(1), q2)
+        latent = _ratio(down2 * a ** 2, up_side(a))        # what a latent pass would still change
         if _largest(latent) <= 1 + TOLERANCE:
             break
     return a, b, c
@@ -212,10 +214,6 @@ def _quotient(current: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, current / torch.where(ok, target, 1.0), 1.0)
 
 
-def _column_norms(o: torch.Tensor, n_kv: int, groups: int, d_h: int) -> torch.Tensor:
-    return o.detach().double().view(o.shape[0], n_kv, groups, d_h).pow(2).sum(dim=(0, 2)).sqrt().reshape(-1)
-
-
 @torch.no_grad()
 def at_source_scale(attn, source_attn) -> None:
     """Rescale a converted attention (the same function) to the scale the conversion's SVD gives it: o_proj and
@@ -223,8 +221,8 @@ def at_source_scale(attn, source_attn) -> None:
     channel's down row and up columns of equal norm. The layer fit starts here: its learning rate was chosen
     at this scale, and fitting from the balanced point fitted worse (docs/conversion.md)."""
     n_kv, groups = _query_heads(attn)
-    src_o = _column_norms(source_attn.o_proj.weight, n_kv, groups, attn.head_dim)
-    _scale_values(attn, _quotient(_column_norms(attn.o_proj.weight, n_kv, groups, attn.head_dim), src_o))
+    src_o = _value_channel_squares(attn, source_attn.o_proj.weight).sqrt()
+    _scale_values(attn, _quotient(_value_channel_squares(attn, attn.o_proj.weight).sqrt(), src_o))
     rows = _source_query_nope_rows(attn, source_attn).to(source_attn.q_proj.weight.device)
     src_q = source_attn.q_proj.weight.detach().double()[rows.reshape(-1)]
     src_q = src_q.view(n_kv, groups, attn.nope_dim, src_q.shape[-1]).pow(2).sum(dim=(1, 3)).sqrt().reshape(-1)
