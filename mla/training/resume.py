@@ -118,6 +118,20 @@ def remove_after_success(folder: str | Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- which steps save
+class NoResumeCheckpointAtTheEnd(TrainerCallback):
+    """Cancel the resume checkpoint that the Trainer adds after the last step (transformers 5.24 saves one
+    there whatever `save_steps` says). `mla train` writes the final model next and deletes the run's resume
+    folder once it has: that checkpoint would only be written to be deleted (SmolLM2: 2.7 GB and 7 s per run;
+    Llama-2-7B: the fp32 Adam states, over 100 GB). A job killed while the final model is written resumes from
+    the last periodic checkpoint. A last step that is a multiple of `save_steps` still saves, as asked."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps and state.global_step % state.save_steps:
+            control.should_save = False
+        return control
+
+
 # ---------------------------------------------------------------- the saved layout
 class LayoutCallback(TrainerCallback):
     """Rank 0 writes checkpoint-N/mla-layout.json: the ranks and ZeRO stage that wrote the checkpoint."""

@@ -31,7 +31,7 @@ from mla.training.config import resolved_precision, sequence_length, use_cuda
 from mla.training.deepspeed_config import deepspeed_config
 from mla.training.distill import Distillation, load_teacher, token_kl, whole_parameter_elements
 from mla.training.optimizer import optimizer_class_and_kwargs
-from mla.training.resume import LayoutCallback, last_checkpoint, resume_plan, saved_layout
+from mla.training.resume import LayoutCallback, NoResumeCheckpointAtTheEnd, last_checkpoint, resume_plan, saved_layout
 from mla.training.schedule import scheduler_arguments
 from mla.training.timelimit import STOP_FILE, TimeLimitCallback
 from mla.training.trainable import elements, select_trainable
@@ -421,7 +421,8 @@ def run_training(cfg, manifest: dict) -> dict:
     dataset = BlockDataset(sequences, cfg.steps * cfg.global_batch, cfg.seed)
     metrics = MetricsCallback(ckpt_dir / "metrics.csv", cfg.global_batch * sequence_length(cfg, manifest), None,
                               cfg.tracking_uri, distill=cfg.distill_weight > 0)
-    callbacks = [metrics, LayoutCallback(cfg), *time_limit_callbacks(ckpt_dir, rank0), *extra_callbacks(cfg.callbacks)]
+    callbacks = [metrics, LayoutCallback(cfg), NoResumeCheckpointAtTheEnd(), *time_limit_callbacks(ckpt_dir, rank0),
+                 *extra_callbacks(cfg.callbacks)]
     trainer = build_trainer(cfg, cuda, bf16, dataset, callbacks, universal)
     loaded = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
     share = loaded_share(trainer.model)

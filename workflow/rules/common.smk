@@ -18,11 +18,27 @@ from mla.study.train_options import WORKFLOW_NAMES, workflow_options
 PYTHON = shlex.quote(sys.executable)
 MLA = f"{PYTHON} -m mla"
 
-# Cores per job on a local machine. One-thread jobs side by side do more work per core (2026-12-07, 2 cores: jobs'
-# summed wall time 1.11x lower than at two threads), but the default run's last jobs then ran alone on one core
-# and the run took as long (67 vs 68 min; docs/workflow.md). A long single job can take more with
-# --set-threads finetune=N; clusters set theirs in workflow/profiles/slurm (set-threads).
-JOB_THREADS = 2
+# Cores per compute job on a local machine: one below 4 cores, else two. The default's DAG runs six fit chains and
+# two baselines side by side, and two one-thread jobs do 1.11x more work per core than one two-thread job (2 cores,
+# 2026-12-07: evaluations 1.17x, fits 1.09x, fine-tuning 1.05x); with more cores two threads shorten the GQA fits'
+# chain, the longest. The priorities below keep one-thread jobs from ending the run alone (docs/workflow.md).
+# --set-threads RULE=N changes one rule's; SLURM jobs take theirs from workflow/profiles/slurm (set-threads).
+def job_threads():
+    if workflow.remote_exec or not workflow.local_exec:
+        return 2
+    try:
+        return 1 if workflow.cores < 4 else 2
+    except WorkflowError:   # no --cores (a parse without a run)
+        return 2
+
+
+JOB_THREADS = job_threads()
+
+# Order among ready jobs (Snakemake `priority`, higher first): fits start before anything else that is ready and
+# evaluations after everything else, so the longest chains (fit -> fine-tuning -> evaluation) start first and the
+# short evaluations fill the cores at the end. Without it a 2-core run started its last fit 54 min in and ran
+# that chain alone on one core for 10.5 min (docs/results.md, second run of 2026-12-07).
+FIRST, LAST = 1, -1
 
 
 # ---------------------------------------------------------------- config validation

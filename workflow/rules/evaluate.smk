@@ -35,6 +35,7 @@ rule evaluate:
     benchmark:
         "benchmarks/evaluate/{model}/{start}/{recipe}.tsv"
     threads: JOB_THREADS
+    priority: LAST
     resources:
         gpu=EVALUATE_GPUS,
     shell:
@@ -58,6 +59,7 @@ rule evaluate_original:
     benchmark:
         "benchmarks/evaluate/{model}/original.tsv"
     threads: JOB_THREADS
+    priority: LAST
     resources:
         gpu=EVALUATE_GPUS,
     shell:
@@ -81,6 +83,7 @@ rule evaluate_inference:
     benchmark:
         "benchmarks/evaluate_inference/{model}/{start}/{recipe}.tsv"
     threads: JOB_THREADS
+    priority: LAST
     resources:
         gpu=EVALUATE_GPUS,
     shell:
@@ -103,6 +106,7 @@ rule evaluate_inference_original:
     benchmark:
         "benchmarks/evaluate_inference/{model}/original.tsv"
     threads: JOB_THREADS
+    priority: LAST
     resources:
         gpu=EVALUATE_GPUS,
     shell:

@@ -39,7 +39,7 @@ rule finetune:
         "logs/finetune/{model}/{start}/{recipe}.log",
     benchmark:
         "benchmarks/finetune/{model}/{start}/{recipe}.tsv"
-    threads: JOB_THREADS
+    threads: lambda wc: max(JOB_THREADS, _run(wc).train["nproc"])   # a core per process at least
     resources:
         # one SLURM job per run with train.nodes nodes; `mla train --nodes N` starts one launcher per node
         nodes=finetune_nodes,

@@ -21,6 +21,7 @@ rule fit:
     benchmark:
         "benchmarks/fit/{model}/{conversion}/{fit}.tsv"
     threads: JOB_THREADS
+    priority: FIRST
     resources:
         gpu=1 if FIT_DEVICE == "cuda" else 0,
     shell:
