@@ -21,6 +21,7 @@ rule calibrate:
     benchmark:
         "benchmarks/calibrate/{model}.tsv"
     threads: JOB_THREADS
+    priority: FIRST
     resources:
         gpu=1 if CALIBRATE_DEVICE == "cuda" else 0,
     shell:

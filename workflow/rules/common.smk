@@ -34,10 +34,12 @@ def job_threads():
 
 JOB_THREADS = job_threads()
 
-# Order among ready jobs (Snakemake `priority`, higher first): fits start before anything else that is ready and
-# evaluations after everything else, so the longest chains (fit -> fine-tuning -> evaluation) start first and the
-# short evaluations fill the cores at the end. Without it a 2-core run started its last fit 54 min in and ran
-# that chain alone on one core for 10.5 min (docs/results.md, second run of 2026-12-07).
+# Order among ready jobs (Snakemake `priority`, higher first): calibration, conversion and fits before anything
+# else that is ready, evaluations after everything else, so that the longest chains (conversion -> fit ->
+# fine-tuning -> evaluation) start first and the short evaluations fill the cores at the end. Without it a 2-core
+# run started its last fit 54 min in and ran that chain alone on one core for 10.5 min (docs/results.md, second
+# run of 2026-12-07); with fits first only, a fine-tuning run went before a conversion (Snakemake breaks ties by
+# input size) and the widest GQA fit started 17 min in.
 FIRST, LAST = 1, -1
 
 

@@ -14,5 +14,6 @@ rule convert:
     benchmark:
         "benchmarks/convert/{model}/{conversion}.tsv"
     threads: JOB_THREADS
+    priority: FIRST
     shell:
         "OMP_NUM_THREADS={threads} {MLA} convert --model {input.model} --out {output} {params.args} > {log} 2>&1"
