@@ -143,3 +143,24 @@ def test_rules_request_a_gpu_only_when_configured(tmp_path):
     assert {rule for rule, _ in jobs} == set(rules)
     for rule, text in jobs:                             # device cpu (the default): no GPU held idle
         assert device(text, tmp_path / "default") == "cpu" and "gpu=1" not in text, text
+
+
+@pytest.mark.timeout(300)
+def test_jobs_take_one_core_below_four_and_the_long_chains_go_first(tmp_path):
+    """Cores per compute job follow the machine (workflow/rules/common.smk): one below 4 cores, two from 4; fits
+    and what they wait for are scheduled before other ready jobs, evaluations after all."""
+    import re
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "config.yaml")
+
+    def omp_threads(cores):
+        jobs = _dry_run_jobs(tmp_path / str(cores), "--configfile", config, "--cores", str(cores))
+        return {int(n) for rule, text in jobs if rule == "fit" for n in re.findall(r"OMP_NUM_THREADS=(\d+)", text)}, jobs
+
+    two_cores, jobs = omp_threads(2)
+    assert two_cores == {1}
+    assert omp_threads(8)[0] == {2}
+    priority = {rule: int(m.group(1)) if (m := re.search(r"priority: (-?\d+)", text)) else 0 for rule, text in jobs}
+    assert priority["calibrate"] == priority["convert"] == priority["fit"] > priority["finetune"]
+    assert priority["finetune"] > priority["evaluate"] and priority["finetune"] > priority["evaluate_original"]

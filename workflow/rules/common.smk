@@ -19,9 +19,9 @@ PYTHON = shlex.quote(sys.executable)
 MLA = f"{PYTHON} -m mla"
 
 # Cores per compute job on a local machine: one below 4 cores, else two. The default's DAG runs six fit chains and
-# two baselines side by side, and two one-thread jobs do 1.11x more work per core than one two-thread job (2 cores,
-# 2026-12-07: evaluations 1.17x, fits 1.09x, fine-tuning 1.05x); with more cores two threads shorten the GQA fits'
-# chain, the longest. The priorities below keep one-thread jobs from ending the run alone (docs/workflow.md).
+# two baselines side by side, and two one-thread jobs do more work per core than one two-thread job (2 idle cores,
+# default run of 2026-12-07, fifth: fits 1.15x, evaluations 1.13x); with more cores two threads shorten the GQA
+# fits' chain, the longest. The priorities below keep one-thread jobs from ending the run alone (docs/workflow.md).
 # --set-threads RULE=N changes one rule's; SLURM jobs take theirs from workflow/profiles/slurm (set-threads).
 def job_threads():
     if workflow.remote_exec or not workflow.local_exec:
