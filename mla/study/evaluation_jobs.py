@@ -75,7 +75,11 @@ def settings(config: dict, model: str, part: str) -> dict:
 
 def serve_settings(config: dict) -> dict:
     """What a serve job (evaluate.serve) measures, as `mla serve-bench` options: the serve rule's params (its
-    rerun trigger). The device is a machine choice, as for the evaluation jobs: the JSON records it."""
+    rerun trigger). The device is a machine choice, as for the evaluation jobs: the JSON records it. llama.cpp
+    also measures each K cache type and the perplexity on the evaluation's held-out blocks."""
     e = config["evaluate"]
-    return {"decode_grid": list(e["decode_grid"]), "decode_steps": e["decode_steps"],
-            "prompts": e["serve_prompts"], "max_tokens": e["serve_tokens"]}
+    out = {"engine": e["serve"], "decode_grid": list(e["decode_grid"]), "decode_steps": e["decode_steps"],
+           "prompts": e["serve_prompts"], "max_tokens": e["serve_tokens"]}
+    if e["serve"] == "llama.cpp":
+        out.update(cache_types=list(e["serve_cache_types"]), blocks=e["perplexity_blocks"])
+    return out

@@ -21,8 +21,10 @@ experiments runs once:
   evaluation  results/evaluate/<model>/<start>/<recipe>/{eval,inference}.json, and
               results/evaluate/<model>/original/{eval,inference}.json once per model: quality
               (eval.json) and inference measurements (inference.json), mla.study.evaluation_jobs
-  serving     (evaluate.serve, ladder variants) results/export/<model>/<start>/<recipe> (the DeepSeek-V3 export)
-              and results/evaluate/<model>/<start>/<recipe>/serve.json (vLLM on it and on the original)
+  serving     (evaluate.serve, ladder variants) vllm: results/export/<model>/<start>/<recipe> (the DeepSeek-V3
+              export); llama.cpp: results/gguf/<model>/<start>/<recipe>/mla-<cache layout>.gguf and
+              results/gguf/<model>/original.gguf; results/evaluate/<model>/<start>/<recipe>/serve.json (the engine
+              on the export and on the original)
 
 Names, legend labels, the MLflow experiment and the tracking URI are not part of any key: changing
 them reruns nothing but the figure and tables.
@@ -149,7 +151,7 @@ class Variant:
 
     @property
     def serve_path(self) -> str:
-        """vLLM's measurements of the export and of the original model (evaluate.serve)."""
+        """The engine's measurements of the export and of the original model (evaluate.serve)."""
         return f"results/evaluate/{self.model}/{self.start}/{self.recipe}/serve.json"
 
 
@@ -163,6 +165,16 @@ def _rope_dims_text(v: Variant) -> str:
 
 
 # ---------------------------------------------------------------- paths and keys
+def gguf_path(model: str, start: str, recipe: str, layout: str) -> str:
+    """A fine-tuned checkpoint as a GGUF file laid out for a llama.cpp K cache type (evaluate.serve llama.cpp)."""
+    return f"results/gguf/{model}/{start}/{recipe}/mla-{layout}.gguf"
+
+
+def original_gguf(model: str) -> str:
+    """The original model as a GGUF file (evaluate.serve llama.cpp): llama.cpp runs both sides of a comparison."""
+    return f"results/gguf/{model}/original.gguf"
+
+
 def model_dir(model: str) -> str:
     return f"results/models/{model}"
 

