@@ -191,9 +191,9 @@ def test_a_model_of_unknown_shape_is_left_to_the_export_job(tmp_path):
 def test_snakemake_inference_exports_and_serves_the_ladder_variant(tmp_path):
     """The whole chain on a tiny GQA Llama (2 layers, 2 KV heads of d_h 64): download ... finetune, then the export
     and one serve job (two vLLM engine starts, ~2.5 min in all on 2 cores)."""
-    from mla.evaluation.vllm_engine import vllm_python
+    from mla.evaluation.vllm_engine import cpu_backend_choice, vllm_python
 
-    vllm_python(install=True)             # the vLLM venv, made on first use (scripts/vllm-env)
+    python = vllm_python(install=True)    # the vLLM venv, made on first use (scripts/vllm-env)
     cfg = serve_config()
     work = tmp_path / "work"
     r = snakemake(work, "inference", *ONE_THREAD, configfile=write_config(tmp_path / "config.yaml", cfg))
@@ -209,7 +209,9 @@ def test_snakemake_inference_exports_and_serves_the_ladder_variant(tmp_path):
     assert served["export"]["kv_bytes_per_token"] == (512 + 64) * layers * bf16                  # latent + RoPE key
     assert served["original"]["kv_bytes_per_token"] == 2 * kv_heads * head_dim * layers * bf16   # K and V
     assert (served["engine"], served["device"], served["dtype"]) == ("vllm", "cpu", "bfloat16")
-    assert served["export"]["attention_backend"] == "AMX_MLA"
+    # what vLLM's own rule picks on this CPU: AMX_MLA with AMX tiles, CPU_MLA without (an AMD EPYC, say)
+    assert served["export"]["attention_backend"] == cpu_backend_choice(python, mla=True)
+    assert served["original"]["attention_backend"] == cpu_backend_choice(python, mla=False, head_size=64)
     grid = [tuple(int(x) for x in p.split("x")) for p in cfg["evaluate"]["decode_grid"]]
     assert [(d["batch"], d["context"]) for d in served["decode"]] == grid
     for d in served["decode"]:
@@ -246,3 +248,39 @@ def test_the_table_shows_vllm_columns_from_serve_json(tmp_path):
     header, rows = build_table([Variant("ladder", d_kv=8, serve=serve)])
     assert [dict(zip(header, rows[0]))[c] for c in SERVED_COLUMNS] == ["llama.cpp, f16 cache", 90.0, 100.0, "1x64",
                                                                          296.0, 1024.0, 100.0]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_snakemake_inference_exports_and_serves_the_ladder_variant_with_llamacpp(tmp_path):
+    """The whole chain on a tiny GQA Llama (2 layers, 2 KV heads of d_h 64) with evaluate.serve: llama.cpp: the
+    variant's GGUF files (f16 widths and padded for q4_0), the original's, and a serve.json per K cache type
+    whose KV bytes are the engine's and match the exports' layouts."""
+    from mla.evaluation.llamacpp_engine import llamacpp_python
+
+    llamacpp_python(install=True)         # the llama.cpp venv, built on first use (scripts/llamacpp-env)
+    cfg = serve_config("llama.cpp")
+    cfg["evaluate"].update(serve_cache_types=["f16", "q4_0"], perplexity_blocks=4)
+    work = tmp_path / "work"
+    r = snakemake(work, "inference", *ONE_THREAD, configfile=write_config(tmp_path / "config.yaml", cfg))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:] + failed_logs(work)
+    (v,) = smoke_study(cfg).served()
+    served = json.loads((work / v.serve_path).read_text())
+    assert served["engine"] == "llama.cpp" and [c["cache_type"] for c in served["cache_types"]] == ["f16", "q4_0"]
+    f16, q4 = served["cache_types"]
+    layers, kv_heads, head_dim = 2, 2, 64
+    # the variant caches a latent of 16 and a RoPE key of at most 64 (8 components): f16 at its own widths,
+    # q4_0 (18 bytes per 32 elements) on the file padded to 32
+    assert f16["export"]["file"].endswith("mla-f16.gguf") and q4["export"]["file"].endswith("mla-q8_0.gguf")
+    assert f16["export"]["kv_bytes_per_token"] <= (16 + 64) * layers * 2 + f16["export"]["kv_cache"]["bytes_per_token_resolution"]
+    assert f16["original"]["kv_bytes_per_token"] == pytest.approx(2 * kv_heads * head_dim * layers * 2, abs=3)
+    assert q4["kv_bytes_ratio_vs_original_f16"] < f16["kv_bytes_ratio"] < 0.5
+    grid = [tuple(int(x) for x in p.split("x")) for p in cfg["evaluate"]["decode_grid"]]
+    assert [(d["batch"], d["context"]) for d in f16["decode"]] == grid
+    assert all(d["decode_speedup"] == pytest.approx(d["export_decode_tokens_per_s"] / d["original_decode_tokens_per_s"])
+               for d in f16["decode"])
+    assert f16["perplexity"]["export"]["blocks"] == 4 and f16["greedy_agreement"]["prompts"] == 4
+    # llama.cpp's losses are transformers' on the same blocks up to f16 rounding
+    assert abs(f16["perplexity"]["export_minus_transformers_loss"]["mean"]) < 0.05
+    assert f16["greedy_agreement"]["all_near_ties"], f16["greedy_agreement"]["differing"]

@@ -70,6 +70,27 @@ def engine_settings(device: str, backends: list[str] | None = None) -> dict:
     return settings
 
 
+# vLLM's own choice of attention backend on this CPU, asked of its platform (the rule differs by CPU: AMX_MLA where
+# torch finds AMX tiles, CPU_MLA elsewhere; CPU_ATTN for a model without MLA)
+CPU_BACKEND_QUERY = """
+import importlib, sys, torch
+from vllm.platforms.cpu import CpuPlatform
+from vllm.v1.attention.selector import AttentionSelectorConfig
+config = AttentionSelectorConfig({head}, torch.bfloat16, None, 16, use_mla={mla})
+module, _, name = CpuPlatform.get_attn_backend_cls(None, config).rpartition(".")
+sys.stdout.write(getattr(importlib.import_module(module), name).get_name())
+"""
+
+
+def cpu_backend_choice(python: Path, mla: bool, head_size: int = 576) -> str:
+    """The attention backend vLLM's CPU platform picks on this machine for an MLA (or plain) model."""
+    done = subprocess.run([str(python), "-c", CPU_BACKEND_QUERY.format(head=head_size, mla=mla)],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM's backend query failed: {done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
 def vllm_python(install: bool = False) -> Path:
     """The vLLM venv's python. install=True creates the venv when missing (minutes, once per machine);
     otherwise a missing venv raises VllmEnvMissing with scripts/vllm-env's one-line message."""
