@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--flash-attn", nargs="+", default=["auto"], choices=("auto", "on", "off"),
+                   help="llama.cpp's flash attention, each measured (off: unquantized caches only)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
@@ -118,10 +120,12 @@ def main(argv=None) -> int:
         print(llamacpp.report_line(llamacpp.export_gguf(original, original_file, args.type)))
         for mla_dir in args.mla:
             files = export_files(mla_dir, Path(tmp), args.type, args.cache_types)
-            results[str(mla_dir)] = result = serving_llamacpp.measure(
-                files, original_file, mla_dir, prompts, blocks, grid, args.steps, args.max_tokens, args.cache_types,
-                args.threads)
-            print_table(str(mla_dir), result)
+            for flash in args.flash_attn:
+                types = args.cache_types if flash != "off" else [t for t in args.cache_types if engines.cache_block(t) == 1]
+                results[f"{mla_dir} flash_attn={flash}"] = result = serving_llamacpp.measure(
+                    files, original_file, mla_dir, prompts, blocks, grid, args.steps, args.max_tokens, types,
+                    args.threads, flash_attn=flash)
+                print_table(f"{mla_dir}, flash attention {flash}", result)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

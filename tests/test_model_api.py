@@ -1,6 +1,7 @@
 """The converted model as transformers users call it, loaded as remote code in a process that has not
 imported `mla`, beside the same calls on the unconverted Llama: AutoModel, continuing from a cache,
-static cache and compiled `generate`, attention weights on absorbed decode steps, the parallel plans,
+static cache and compiled `generate` (with every optional output), attention weights on absorbed decode steps,
+the parallel plans,
 and one-line errors for cache types the latent cannot live in (mla/modeling/, docs/model-api.md)."""
 
 from __future__ import annotations
@@ -106,6 +107,28 @@ def _():
     return out
 
 
+@part("compiled_all_outputs")
+def _():
+    """transformers' test_generate_compilation_all_outputs, on our side: generate with automatic compilation (a
+    static cache, compiled decode steps) asked for every optional output gives what the uncompiled call gives."""
+    out = {}
+    for name, model in models.items():
+        kw = dict(output_attentions=True, output_hidden_states=True, output_scores=True, cache_implementation="static")
+        plain = greedy(model, **kw)
+        config = CompileConfig(backend="eager", fullgraph=True, mode=None)
+        config._compile_all_devices = True
+        compiled = greedy(model, compile_config=config, **kw)
+        flat = lambda steps: [t for step in steps for t in step]
+        out[name] = {"compiled": hasattr(model, "_compiled_call"),
+                     "sequences": list(compiled.sequences.shape), "same_tokens": torch.equal(plain.sequences, compiled.sequences),
+                     "scores": len(compiled.scores), "logits_diff": diff(plain.logits, compiled.logits),
+                     "attention_shapes": [list(step[0].shape) for step in compiled.attentions],
+                     "attentions_diff": diff(flat(plain.attentions), flat(compiled.attentions)),
+                     "hidden_shapes": [list(step[-1].shape) for step in compiled.hidden_states],
+                     "hidden_diff": diff(flat(plain.hidden_states), flat(compiled.hidden_states))}
+    return out
+
+
 @part("attentions")
 def _():
     out = {}
@@ -143,7 +166,7 @@ def _():
         def exists(plan, prefix=""):
             return {key: any(re.fullmatch(re.escape(prefix + key).replace(r"\*", r"\d+"), m) for m in modules)
                     for key in plan}
-        out[name] = {"tp_plan": dict(model.tp_plan), "config_tp_plan": dict(model.config.base_model_tp_plan or {}),
+        out[name] = {"tp_plan": dict(model.tp_plan), "config_tp_plan": model.config.base_model_tp_plan,
                      "tp_exists": exists(model.tp_plan), "pp_exists": exists(model.model.pp_plan, "model."),
                      "llama_tp_names_exist": exists(llama.config.base_model_tp_plan, "model.")}
     return out
@@ -225,6 +248,17 @@ def test_static_cache_and_compiled_generate_match_the_growing_cache(user_results
     assert mla["can_compile_fullgraph"] is True
 
 
+def test_compiled_generate_gives_every_optional_output_as_the_uncompiled_one(user_results):
+    res = ok(user_results, "compiled_all_outputs")
+    mla, llama = res["mla"], res["llama"]
+    for row in (mla, llama):
+        assert row["compiled"] and row["same_tokens"] and row["sequences"] == [2, 13] and row["scores"] == 6
+        assert max(row["logits_diff"], row["attentions_diff"], row["hidden_diff"]) <= TOL
+    # the static cache's attentions span its whole buffer (7 + 6 − 1 = 12 slots), as Llama's do
+    assert mla["attention_shapes"] == llama["attention_shapes"] == [[2, 4, 7, 12]] + [[2, 4, 1, 12]] * 5
+    assert mla["hidden_shapes"] == llama["hidden_shapes"]
+
+
 def test_absorbed_decode_steps_return_the_expanded_paths_attention_probabilities(user_results):
     res = ok(user_results, "attentions")
     mla, llama = res["mla"], res["llama"]
@@ -239,7 +273,9 @@ def test_absorbed_decode_steps_return_the_expanded_paths_attention_probabilities
 def test_parallel_plans_name_only_modules_that_exist(user_results):
     res = ok(user_results, "parallel_plans")
     mla, llama = res["mla"], res["llama"]
-    assert mla["tp_plan"] == {} and mla["config_tp_plan"] == {}          # no TP plan, stated in the config
+    # no TP plan, stated as transformers' configs state it: base_model_tp_plan None (an empty dict reads as "has a
+    # plan" to transformers' own test_tp_plan_matches_params, which then finds the model's plan empty)
+    assert mla["tp_plan"] == {} and mla["config_tp_plan"] is None
     assert mla["pp_exists"] and all(mla["pp_exists"].values())
     assert llama["tp_plan"] and all(llama["tp_exists"].values()) and all(llama["pp_exists"].values())
     # the check can fail: Llama's plan names k_proj/v_proj, which the converted model no longer has

@@ -94,8 +94,9 @@ def engine_summary(run: dict, path: Path) -> dict:
 
 def measure(exports: list[str | Path], original: str | Path, mla_dir: str | Path, prompts: list[list[int]],
             blocks, grid: list[tuple[int, int]], steps: int, max_tokens: int, cache_types: list[str],
-            threads: int, log=print) -> dict:
-    """serve.json for llama.cpp (module docstring)."""
+            threads: int, flash_attn: str = "auto", log=print) -> dict:
+    """serve.json for llama.cpp (module docstring). `flash_attn`: llama.cpp's choice (auto, its default), on or
+    off (a quantized cache needs it on)."""
     from mla.export.llamacpp import read_report
 
     python = llamacpp_engine.llamacpp_python()
@@ -103,9 +104,10 @@ def measure(exports: list[str | Path], original: str | Path, mla_dir: str | Path
     blocks = [[int(t) for t in row] for row in blocks]
     log(f"transformers (fp32) on {mla_dir}: greedy tokens and {len(blocks)} held-out blocks")
     ref = reference(mla_dir, prompts, blocks, max_tokens)
-    run = dict(threads=threads, prompts=prompts, max_tokens=max_tokens, blocks=blocks, bench=grid, steps=steps)
+    run = dict(threads=threads, prompts=prompts, max_tokens=max_tokens, blocks=blocks, bench=grid, steps=steps,
+               flash_attn=flash_attn)
     original_report = read_report(original)
-    result = {"engine": "llama.cpp", "threads": threads, "mla_checkpoint": str(mla_dir),
+    result = {"engine": "llama.cpp", "threads": threads, "flash_attn": flash_attn, "mla_checkpoint": str(mla_dir),
               "original": {"file": str(original), "type": original_report["type"]},
               "transformers_mla": perplexity(ref["block_losses"]), "cache_types": []}
     original_f16 = None

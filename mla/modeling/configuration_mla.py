@@ -32,8 +32,9 @@ from transformers import LlamaConfig
 class MLAConfig(LlamaConfig):
     model_type = "mla_llama"
     # No tensor-parallel plan: Llama's names k_proj/v_proj, which MLA replaced, and MLA's forward reshapes by
-    # the global head counts (modeling_mla.py). Llama's pipeline plan (embed_tokens, layers, norm) holds.
-    base_model_tp_plan = {}
+    # the global head counts (modeling_mla.py). None is how transformers says "no plan" (an empty dict reads as a
+    # plan that the model then lacks). Llama's pipeline plan (embed_tokens, layers, norm) holds.
+    base_model_tp_plan = None
 
     kv_lora_rank: int | None = None        # n_kv · d_kv; None -> n_kv · d_h / 2
     qk_rope_head_dim: int | None = None    # 2r; None -> from rope_pairs or d_h / 8
