@@ -216,10 +216,12 @@ def test_generate_with_the_latent_cache_on_cuda():
                 assert layer.quantized[0].packed.device.type == "cuda" and layer.quantized[0].tokens > 0
 
 
-def test_vllm_serves_the_export_with_its_gpu_mla_backend(tmp_path):
+@pytest.mark.parametrize("latent", ["512", "native"])
+def test_vllm_serves_the_export_with_its_gpu_mla_backend(tmp_path, latent):
     """The workflow's serve job on the GPU (mla.evaluation.serving): KV bytes per token as vLLM allocated them
     (the export's latent + RoPE key, the original's K and V, bf16), decode tokens/s of both, and vLLM's greedy
-    tokens on the export against transformers' on the MLA checkpoint, every difference a bf16 near-tie."""
+    tokens on the export against transformers' on the MLA checkpoint, every difference a bf16 near-tie. The
+    native latent (16 here) is TRITON_MLA's; 512 FlashMLA's on Hopper and Blackwell."""
     pytest.importorskip("vllm", reason="vLLM is not installed in this venv (pip install vllm)")
     from export_helpers import export, ladder_checkpoint
 
@@ -228,13 +230,14 @@ def test_vllm_serves_the_export_with_its_gpu_mla_backend(tmp_path):
 
     original = save_tiny_checkpoint(tmp_path / "original", num_kv_heads=2, head_dim=64)
     mla_dir = ladder_checkpoint(tmp_path / "mla", num_kv_heads=2, head_dim=64)
-    assert export(mla_dir, tmp_path / "deepseek_v3") == 0
+    assert export(mla_dir, tmp_path / "deepseek_v3", "--latent", latent) == 0
+    width = json.loads((tmp_path / "deepseek_v3" / "config.json").read_text())["kv_lora_rank"]
     prompts = [list(range(1 + i, 33 + i)) for i in range(8)]
     result = serving.measure(tmp_path / "deepseek_v3", original, mla_dir, prompts, [(1, 64), (4, 64)], steps=8,
                              max_tokens=16, device="gpu")
     print(serving.summary_line(result))
-    assert result["export"]["attention_backend"] in ("FLASHMLA", "TRITON_MLA")
-    assert result["export"]["kv_bytes_per_token"] == (512 + 64) * 2 * 2
+    assert result["export"]["attention_backend"] in (("FLASHMLA", "TRITON_MLA") if latent == "512" else ("TRITON_MLA",))
+    assert result["export"]["kv_bytes_per_token"] == (width + 64) * 2 * 2 and (width == 512) == (latent == "512")
     assert result["original"]["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 2
     assert all(d["export_tokens_per_s"] > 0 and d["original_tokens_per_s"] > 0 for d in result["decode"])
     agreement = result["greedy_agreement"]

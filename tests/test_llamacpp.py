@@ -1,7 +1,8 @@
 """GGUF exports run by a real llama.cpp (llama-cpp-python 0.3.36 built here, scripts/llamacpp-env): the MLA file
 computes the MLA checkpoint's logits and greedy tokens, and llama.cpp caches per token and layer only the latent
 and the RoPE key (its own log, not our arithmetic); the original's file runs the same way with K and V per
-KV head. The first test builds the llama.cpp venv when it is missing (minutes, once per machine)."""
+KV head. The first test builds the llama.cpp venv when it is missing (minutes, once per machine), hence `slow`:
+the quick tier leaves the engine out."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from mla.export.llamacpp import read_report
 from mla.export.tiny import tiny_source
 from mla.tiny_models import tiny_tokenizer
 
-pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.llamacpp, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # bytes per element of llama.cpp's cache types: q8_0 stores 32 values in 34 bytes, q4_0 in 18
 TYPE_BYTES = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -66,17 +67,34 @@ def tiny(tmp_path_factory):
             "orig_f32": export(folder / "orig", folder / "orig-f32.gguf", "--type", "f32")}
 
 
-def test_llamacpp_computes_the_mla_models_losses(llamacpp, tiny):
+def nll_of(model, block) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([block])).logits[0, :-1]
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(block[1:]), reduction="sum").item()
+
+
+LAYOUTS = {   # the tiny fixture's GQA d_h 64 (a 62-wide key: slots up to 30) is the first case
+    "GQA d_h 128 (every 2nd pair on the ladder)": dict(head_dim=128),
+    "GQA d_h 32, shared latent": dict(head_dim=32, latent="shared", r=3),
+    "GQA d_h 64, split SVD": dict(head_dim=64, svd="split"),
+}
+
+
+@pytest.mark.parametrize("case", [None, *LAYOUTS])
+def test_llamacpp_computes_the_mla_models_losses(llamacpp, tiny, tmp_path, case):
     """f32 weights, an f32 cache and llama.cpp's plain attention: its next-token losses are the MLA model's to
-    float rounding (with flash attention llama.cpp rounds the query to f16: tests below)."""
+    float rounding, for each latent and ladder layout (with flash attention llama.cpp rounds the query to f16:
+    the greedy tests below)."""
+    if case is None:
+        mla, gguf_file = tiny["mla"], tiny["f32"]
+    else:
+        mla = ladder_checkpoint(tmp_path / "mla", num_kv_heads=2, **LAYOUTS[case])
+        gguf_file = export(mla, tmp_path / "mla.gguf", "--type", "f32")
     blocks = random_prompts(4, seed=9)
-    run = llamacpp_engine.run(llamacpp, tiny["f32"], threads=2, cache_type="f32", flash_attn="off", blocks=blocks)
-    model = load_model(tiny["mla"])
+    run = llamacpp_engine.run(llamacpp, gguf_file, threads=2, cache_type="f32", flash_attn="off", blocks=blocks)
+    model = load_model(mla)
     for block, got in zip(blocks, run["blocks"], strict=True):
-        with torch.no_grad():
-            logits = model(torch.tensor([block])).logits[0, :-1]
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(block[1:]), reduction="sum").item()
-        assert got["nll"] == pytest.approx(nll, rel=1e-4, abs=1e-4)
+        assert got["nll"] == pytest.approx(nll_of(model, block), rel=1e-5, abs=1e-4)
 
 
 @pytest.mark.parametrize("weights", ["f32", "f16"])
@@ -157,7 +175,6 @@ def smollm2_variants(smollm2_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.slow
 def test_smollm2_default_variants_in_llamacpp(llamacpp, smollm2_variants, smollm2_dir):
     """Each default GQA variant: greedy tokens as transformers' up to near-ties on 16 prompts of real text
     (≥ 14 identical), and llama.cpp's f16 cache at most 0.40x the original's in the same build; d_kv 32's
