@@ -24,3 +24,13 @@ def ladder_checkpoint(folder: Path, *, num_kv_heads=2, head_dim=64, svd="joint",
 
 def export(src: Path, out: Path, *extra: str) -> int:
     return mla_main(["export", str(src), "--format", "deepseek_v3", "--out", str(out), *extra])
+
+
+def assert_refused(argv: list[str], out: Path, message: str, capsys) -> None:
+    """`mla ARGV` exits 2 with one line on stderr holding `message`, and leaves nothing at `out`, not even a
+    temporary sibling."""
+    capsys.readouterr()                     # what building the checkpoint printed
+    assert mla_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not any(p.name.startswith(f".{out.name}") for p in out.parent.iterdir())

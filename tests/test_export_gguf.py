@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from export_helpers import ladder_checkpoint
+from export_helpers import assert_refused, ladder_checkpoint
 from test_export import REFUSALS, edited
 
 from mla.cli import main as mla_main
@@ -116,14 +116,6 @@ def test_narrowest_key_keeps_every_kept_frequency():
 
 
 # ---------------------------------------------------------------- refusals
-def assert_refused(args: list[str], out: Path, message: str, capsys) -> None:
-    capsys.readouterr()
-    assert mla_main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
-    assert not out.exists() and not any(p.name.startswith(f".{out.name}") for p in out.parent.iterdir())
-
-
 @pytest.mark.parametrize("case", REFUSALS)
 def test_conversions_deepseek_attention_cannot_express_are_refused(case, tmp_path, capsys):
     options, message = REFUSALS[case]

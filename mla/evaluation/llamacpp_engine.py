@@ -9,24 +9,20 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from mla.evaluation.engine_env import SCRIPTS, EngineEnvMissing, env_python
+
 LLAMACPP_ENV = SCRIPTS / "llamacpp-env"
 RUNNER = SCRIPTS / "llamacpp_runner.py"
 
 
-class LlamaCppEnvMissing(RuntimeError):
+class LlamaCppEnvMissing(EngineEnvMissing):
     """No finished llama.cpp venv; the message names scripts/llamacpp-env."""
 
 
 def llamacpp_python(install: bool = False) -> Path:
     """The llama.cpp venv's python. install=True builds it when missing (minutes, once per machine); otherwise
     a missing venv raises LlamaCppEnvMissing with scripts/llamacpp-env's one-line message."""
-    args = [str(LLAMACPP_ENV)] if install else [str(LLAMACPP_ENV), "--check"]
-    done = subprocess.run(args, stdout=subprocess.PIPE, stderr=None if install else subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        message = (done.stderr or "").strip().splitlines()[-1:] or [f"{LLAMACPP_ENV} failed"]
-        raise LlamaCppEnvMissing(message[0])
-    return Path(done.stdout.strip().splitlines()[-1])
+    return env_python(LLAMACPP_ENV, install, LlamaCppEnvMissing)
 
 
 def run(python: Path, model: str | Path, *, threads: int, cache_type: str = "f16", flash_attn: str = "auto",

@@ -20,9 +20,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from mla.evaluation.engine_env import SCRIPTS, EngineEnvMissing, env_python
+
 # the runner and the venv script live in the checkout's scripts/: the runner runs under vLLM's python, which
 # must not import this package (its transformers is not the project's)
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VLLM_ENV = SCRIPTS / "vllm-env"
 RUNNER = SCRIPTS / "vllm_runner.py"
 DEVICES = ("cpu", "gpu")
@@ -39,7 +40,7 @@ CPU_COMPILATION_CONFIG = {"custom_ops": ["all", "-rotary_embedding"]}
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-class VllmEnvMissing(RuntimeError):
+class VllmEnvMissing(EngineEnvMissing):
     """No finished vLLM venv; the message names scripts/vllm-env."""
 
 
@@ -94,12 +95,7 @@ def cpu_backend_choice(python: Path, mla: bool, head_size: int = 576) -> str:
 def vllm_python(install: bool = False) -> Path:
     """The vLLM venv's python. install=True creates the venv when missing (minutes, once per machine);
     otherwise a missing venv raises VllmEnvMissing with scripts/vllm-env's one-line message."""
-    args = [str(VLLM_ENV)] if install else [str(VLLM_ENV), "--check"]
-    done = subprocess.run(args, stdout=subprocess.PIPE, stderr=None if install else subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        message = (done.stderr or "").strip().splitlines()[-1:] or [f"{VLLM_ENV} failed"]
-        raise VllmEnvMissing(message[0])
-    return Path(done.stdout.strip().splitlines()[-1])
+    return env_python(VLLM_ENV, install, VllmEnvMissing)
 
 
 def run_offline(python: Path, model: str | Path, prompts: list[list[int]] | None = None, max_tokens: int = 16,

@@ -1,0 +1,24 @@
+"""The engines' own venvs (scripts/vllm-env, scripts/llamacpp-env): each script makes its venv once per machine and
+prints its python; with --check it makes nothing and names itself when the venv is missing. Standard library only."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+class EngineEnvMissing(RuntimeError):
+    """No finished venv for an engine; the message (the script's own line) names the script to run."""
+
+
+def env_python(script: Path, install: bool, missing: type[EngineEnvMissing]) -> Path:
+    """The python of `script`'s venv. install=True makes the venv when missing (minutes, once per machine);
+    otherwise a missing venv raises `missing` with the script's one-line message."""
+    args = [str(script)] if install else [str(script), "--check"]
+    done = subprocess.run(args, stdout=subprocess.PIPE, stderr=None if install else subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        message = (done.stderr or "").strip().splitlines()[-1:] or [f"{script} failed"]
+        raise missing(message[0])
+    return Path(done.stdout.strip().splitlines()[-1])
