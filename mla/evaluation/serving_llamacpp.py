@@ -115,7 +115,7 @@ def measure(exports: list[str | Path], original: str | Path, mla_dir: str | Path
         export_report = read_report(path)
         log(f"llama.cpp, {cache_type} K cache: {path} and {original}")
         mla_run = llamacpp_engine.run(python, path, cache_type=cache_type, **run)
-        original_run = llamacpp_engine.run(python, original, cache_type=cache_type, **run)
+        original_run = llamacpp_engine.run(python, original, cache_type=cache_type, **dict(run, prompts=None))
         result["llama_cpp_python"] = mla_run["llama_cpp_python"]
         e, o = engine_summary(mla_run, path), engine_summary(original_run, Path(original))
         if cache_type == "f16":
