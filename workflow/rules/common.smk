@@ -19,11 +19,11 @@ from mla.study.train_options import WORKFLOW_NAMES, workflow_options
 PYTHON = shlex.quote(sys.executable)
 MLA = f"{PYTHON} -m mla"
 
-# Cores per compute job on a local machine: one below 4 cores, else two. The default's DAG runs six fit chains and
-# two baselines side by side, and two one-thread jobs do more work per core than one two-thread job (2 idle cores,
-# default run of 2026-12-07, fifth: fits 1.15x, evaluations 1.13x); with more cores two threads shorten the GQA
-# fits' chain, the longest. The priorities below keep one-thread jobs from ending the run alone (docs/workflow.md).
-# --set-threads RULE=N changes one rule's; SLURM jobs take theirs from workflow/profiles/slurm (set-threads).
+# Cores per compute job on a local machine: one below 4 cores, else two. Two one-thread jobs do more work per core
+# than one two-thread job (measured: docs/results.md), and the default's DAG has independent chains enough to fill
+# the cores; with more cores two threads shorten the longest chain (the GQA fits). The priorities below keep
+# one-thread jobs from ending the run alone (docs/workflow.md). --set-threads RULE=N changes one rule's; SLURM jobs
+# take theirs from workflow/profiles/slurm (set-threads).
 def job_threads():
     if workflow.remote_exec or not workflow.local_exec:
         return 2
@@ -37,10 +37,9 @@ JOB_THREADS = job_threads()
 
 # Order among ready jobs (Snakemake `priority`, higher first): calibration, conversion and fits before anything
 # else that is ready, evaluations after everything else, so that the longest chains (conversion -> fit ->
-# fine-tuning -> evaluation) start first and the short evaluations fill the cores at the end. Without it a 2-core
-# run started its last fit 54 min in and ran that chain alone on one core for 10.5 min (docs/results.md, second
-# run of 2026-12-07); with fits first only, a fine-tuning run went before a conversion (Snakemake breaks ties by
-# input size) and the widest GQA fit started 17 min in.
+# fine-tuning -> evaluation) start first and the short evaluations fill the cores at the end; calibration and
+# conversion share the fits' priority because Snakemake breaks ties by input size (docs/results.md has the runs
+# that showed both).
 FIRST, LAST = 1, -1
 
 
