@@ -69,19 +69,18 @@ def weight_type_of(config: dict, weight_type: str | None) -> str:
     return name
 
 
-def check(config: dict, weight_type: str | None, cache_type: str) -> str:
-    """Every refusal, on config.json alone; returns the architecture the file will have."""
-    weight_type_of(config, weight_type)
+def plan(config: dict, weight_type: str | None, cache_type: str) -> tuple[str, str, Target | None]:
+    """Every refusal, on config.json alone; returns the file's architecture, weight type and (deepseek2) widths."""
+    weight_type = weight_type_of(config, weight_type)
     if config.get("model_type") == "mla_llama":
-        mla_target(config, cache_type)
-        return "deepseek2"
+        return "deepseek2", weight_type, mla_target(config, cache_type)
     if config.get("model_type") != "llama":
         raise UserError(f"model_type {config.get('model_type')!r}: the GGUF export takes an MLA checkpoint "
                         "(mla_llama, converted with --rope-strategy ladder) or its original Llama checkpoint")
     shapes.check_family(config)
     check_source(config)
     engines.cache_block(cache_type)
-    return "llama"
+    return "llama", weight_type, None
 
 
 def _rotate_half_to_adjacent(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -161,15 +160,13 @@ def export_gguf(src: str | Path, out: str | Path, weight_type: str | None = None
 
     src, out = checkpoint.require_checkpoint(src), Path(out)
     config = shapes.read_config(src)
-    arch = check(config, weight_type, cache_type)     # before any weight is read or file written
-    weight_type = weight_type_of(config, weight_type)
+    arch, weight_type, target = plan(config, weight_type, cache_type)   # before any weight is read or file written
     vocab = gguf_file.tokenizer_metadata(src, config["vocab_size"])
     model = checkpoint.load_model(src, dtype=torch.float32)
     original = shapes.shape_of(config)
     report = {"format": "gguf", "architecture": arch, "type": weight_type, "cache_type": cache_type,
               "source_checkpoint": str(src), "tokenizer_pre": vocab["pre"],
               "kv_elements_per_token_original": shapes.kv_elements_original(original)}
-    target = mla_target(config, cache_type) if arch == "deepseek2" else None
     tensors, measured = _mla_tensors(model, target) if target else _llama_tensors(model)
     report.update(measured)
     if target:
