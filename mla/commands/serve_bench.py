@@ -44,10 +44,11 @@ def run(args):
     from mla import atomic, checkpoint
     from mla.errors import UserError
     from mla.evaluation import serving
+    from mla.evaluation.engine_env import missing_engine
 
     if args.engine == "vllm" and len(args.export) != 1:
         raise UserError(f"--export: vLLM serves one DeepSeek-V3 folder, got {len(args.export)}")
-    engine_error = _engine_error(args.engine, args.device)   # first: the one-line fix, not an engine's traceback
+    engine_error = missing_engine(args.engine, args.device)   # first: the one-line fix, not an engine's traceback
     if engine_error:
         raise UserError(engine_error)
     if args.engine == "vllm":
@@ -79,21 +80,3 @@ def run(args):
     print(line)
     return 0
 
-
-def _engine_error(engine: str, device: str) -> str | None:
-    """Why no engine can run here (the one-line fix), or None."""
-    if engine == "vllm":
-        from mla.evaluation import vllm_engine
-
-        try:
-            vllm_engine.engine_python(device)
-        except vllm_engine.VllmEnvMissing as exc:
-            return str(exc)
-        return None
-    from mla.evaluation import llamacpp_engine
-
-    try:
-        llamacpp_engine.llamacpp_python()
-    except llamacpp_engine.LlamaCppEnvMissing as exc:
-        return str(exc)
-    return None

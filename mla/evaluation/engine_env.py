@@ -22,3 +22,19 @@ def env_python(script: Path, install: bool, missing: type[EngineEnvMissing]) -> 
         message = (done.stderr or "").strip().splitlines()[-1:] or [f"{script} failed"]
         raise missing(message[0])
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+def missing_engine(engine: str, device: str = "cpu") -> str | None:
+    """Why `engine` (vllm, llama.cpp) cannot run on `device` here, as the one line naming the fix, or None. vLLM on
+    the CPU: the venv of scripts/vllm-env, on a GPU: vLLM in the project's venv; llama.cpp: the venv of
+    scripts/llamacpp-env. Checked, never built."""
+    from mla.evaluation import llamacpp_engine, vllm_engine   # lazy: both import this module
+
+    try:
+        if engine == "llama.cpp":
+            llamacpp_engine.llamacpp_python()
+        else:
+            vllm_engine.engine_python(device)
+    except EngineEnvMissing as exc:
+        return str(exc)
+    return None

@@ -25,8 +25,9 @@ from mla.evaluation import greedy_agreement, llamacpp_engine
 TOLERANCES = {"f32": 2.0 ** -10, "bf16": 2.0 ** -5, "f16": 2.0 ** -7, "q8_0": 2.0 ** -5}
 
 
-def choose_files(exports: list[str | Path], cache_types: list[str]) -> dict[str, Path]:
-    """For each cache type the smallest-cache export file laid out for it (refuses a type none takes)."""
+def choose_files(exports: list[str | Path], cache_types: list[str]) -> dict[str, tuple[Path, dict]]:
+    """For each cache type the smallest-cache export file laid out for it, with its report (refuses a type none
+    takes)."""
     from mla.errors import UserError
     from mla.export.llamacpp import read_report
 
@@ -37,7 +38,8 @@ def choose_files(exports: list[str | Path], cache_types: list[str]) -> dict[str,
         if not fits:
             raise UserError(f"--cache-types {cache_type}: none of {', '.join(map(str, reports))} is laid out for it; "
                             f"export one with `mla export --format gguf --cache-type {cache_type}`")
-        chosen[cache_type] = min(fits, key=lambda p: reports[p]["kv_elements_per_token"])
+        path = min(fits, key=lambda p: reports[p]["kv_elements_per_token"])
+        chosen[cache_type] = path, reports[path]
     return chosen
 
 
@@ -97,6 +99,7 @@ def measure(exports: list[str | Path], original: str | Path, mla_dir: str | Path
             threads: int, flash_attn: str = "auto", log=print) -> dict:
     """serve.json for llama.cpp (module docstring). `flash_attn`: llama.cpp's choice (auto, its default), on or
     off (a quantized cache needs it on)."""
+    from mla.export import engines
     from mla.export.llamacpp import read_report
 
     python = llamacpp_engine.llamacpp_python()
@@ -111,8 +114,7 @@ def measure(exports: list[str | Path], original: str | Path, mla_dir: str | Path
               "original": {"file": str(original), "type": original_report["type"]},
               "transformers_mla": perplexity(ref["block_losses"]), "cache_types": []}
     original_f16 = None
-    for cache_type, path in files.items():
-        export_report = read_report(path)
+    for cache_type, (path, export_report) in files.items():
         log(f"llama.cpp, {cache_type} K cache: {path} and {original}")
         mla_run = llamacpp_engine.run(python, path, cache_type=cache_type, **run)
         original_run = llamacpp_engine.run(python, original, cache_type=cache_type, **dict(run, prompts=None))
@@ -121,7 +123,7 @@ def measure(exports: list[str | Path], original: str | Path, mla_dir: str | Path
         if cache_type == "f16":
             original_f16 = o["kv_bytes_per_token"]
         tolerance = TOLERANCES.get(export_report["type"], greedy_agreement.BF16_RELATIVE_TOLERANCE)
-        if cache_type not in ("f32", "f16", "bf16"):
+        if engines.cache_block(cache_type) > 1:
             tolerance = max(tolerance, 2.0 ** -4)   # a block-quantized cache rounds every cached element
         points = [{"batch": pe["batch"], "context": pe["context"],
                    "export_decode_tokens_per_s": pe["decode_tokens_per_s"],

@@ -3,8 +3,8 @@ tokenizer.json, and tensors in the weight type asked for.
 
 The tokenizer. llama.cpp's byte-level BPE (`tokenizer.ggml.model: gpt2`) takes the vocabulary and merges of a
 Hugging Face BPE tokenizer as they are, so token ids are the checkpoint's; `tokenizer.ggml.pre` names the
-pre-tokenizer's split rule, which llama.cpp knows by name (`PRE_TOKENIZERS`: the structures of tokenizer.json
-this writer recognises). Anything else (SentencePiece, an unknown split) is refused, naming what was found.
+pre-tokenizer's split rule, which llama.cpp knows by name (`_pre_tokenizer_name`: the structures of
+tokenizer.json this writer recognises). Anything else (SentencePiece, an unknown split) is refused, naming what was found.
 
 Weight types: 1-D tensors (norms) are always f32, as llama.cpp's own converter writes them; q8_0 needs rows of
 a multiple of its block (32) and falls back to f16 for the others; `keep_f32` names tensors whose values f16
@@ -19,7 +19,6 @@ from pathlib import Path
 from mla.errors import UserError
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
-GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
 LLAMA3_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
                 "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 

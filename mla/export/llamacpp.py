@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mla import atomic, checkpoint, shapes
@@ -31,7 +30,7 @@ from mla.conversion.convert import stored_dtype
 from mla.errors import UserError
 from mla.export import engines, gguf_file
 from mla.export.engines import MLAShape, padded
-from mla.export.requirements import check_ladder_checkpoint, check_source
+from mla.export.requirements import check_ladder_checkpoint, check_llama_original
 from mla.export.rewrite import Target, narrowest_key, rewrite
 
 REPORT_KEY = "mha2mla.export"
@@ -74,11 +73,7 @@ def plan(config: dict, weight_type: str | None, cache_type: str) -> tuple[str, s
     weight_type = weight_type_of(config, weight_type)
     if config.get("model_type") == "mla_llama":
         return "deepseek2", weight_type, mla_target(config, cache_type)
-    if config.get("model_type") != "llama":
-        raise UserError(f"model_type {config.get('model_type')!r}: the GGUF export takes an MLA checkpoint "
-                        "(mla_llama, converted with --rope-strategy ladder) or its original Llama checkpoint")
-    shapes.check_family(config)
-    check_source(config)
+    check_llama_original(config)
     engines.cache_block(cache_type)
     return "llama", weight_type, None
 
@@ -91,6 +86,7 @@ def _rotate_half_to_adjacent(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _llama_tensors(model) -> tuple[dict, dict]:
+    """The original's tensors under GGUF names; it caches what it always did (the report's original count)."""
     cfg = model.config
     s = shapes.shape_of(cfg.to_dict())
     state = {}
@@ -102,7 +98,7 @@ def _llama_tensors(model) -> tuple[dict, dict]:
         elif name.endswith("self_attn.k_proj.weight"):
             tensor = _rotate_half_to_adjacent(tensor, s.kv_heads)
         state[gguf_name(name)] = tensor
-    return state, {"kv_elements_per_token": shapes.kv_elements_original(s)}
+    return state, {}
 
 
 def _mla_tensors(model, target: Target) -> tuple[dict, dict]:
@@ -163,10 +159,10 @@ def export_gguf(src: str | Path, out: str | Path, weight_type: str | None = None
     arch, weight_type, target = plan(config, weight_type, cache_type)   # before any weight is read or file written
     vocab = gguf_file.tokenizer_metadata(src, config["vocab_size"])
     model = checkpoint.load_model(src, dtype=torch.float32)
-    original = shapes.shape_of(config)
+    original = shapes.kv_elements_original(shapes.shape_of(config))
     report = {"format": "gguf", "architecture": arch, "type": weight_type, "cache_type": cache_type,
               "source_checkpoint": str(src), "tokenizer_pre": vocab["pre"],
-              "kv_elements_per_token_original": shapes.kv_elements_original(original)}
+              "kv_elements_per_token_original": original, "kv_elements_per_token": original}
     tensors, measured = _mla_tensors(model, target) if target else _llama_tensors(model)
     report.update(measured)
     if target:

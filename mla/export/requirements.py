@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mla.conversion.ladder import ROPE_SLOTS, Ladder, ladder_for
 from mla.errors import UserError
-from mla.shapes import attention_biases
+from mla.shapes import attention_biases, check_family
 
 LADDER_HINT = "convert with `mla convert --rope-strategy ladder` (workflow key rope_strategy: ladder)"
 
@@ -34,6 +34,16 @@ def check_ladder_checkpoint(config: dict) -> Ladder:
             raise UserError(f"rope_pairs of layer {i} keep pairs {off}, which DeepSeek's ladder of {ROPE_SLOTS} "
                             f"frequencies cannot hold at d_h = {head_dim}: {LADDER_HINT}")
     return ladder
+
+
+def check_llama_original(config: dict) -> int:
+    """What llama.cpp's `llama` architecture takes of an original model (the GGUF export's other side); its d_h."""
+    if config.get("model_type") != "llama":
+        raise UserError(f"model_type {config.get('model_type')!r}: the GGUF export takes an MLA checkpoint "
+                        "(mla_llama, converted with --rope-strategy ladder) or its original Llama checkpoint, "
+                        "which llama.cpp runs as its `llama` architecture")
+    check_family(config)
+    return check_source(config)
 
 
 def check_source(config: dict) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from mla.conversion.layout import LayoutError, resolve
 from mla.errors import UserError
 from mla.export import engines
-from mla.export.requirements import check_source
+from mla.export.requirements import check_llama_original, check_source
 from mla.study import experiments
 from mla.study.layout_check import setting_key
 from mla.study.model_configs import model_config
@@ -44,10 +44,7 @@ def serve_errors(config: dict, results: str = "results") -> list[tuple[str, str]
             continue
         where = f"{v.experiment}/{v.name}"
         try:
-            head_dim = check_source(cfg)
-            if engine == "llama.cpp" and cfg.get("model_type") != "llama":
-                raise UserError(f"model_type {cfg.get('model_type')!r}: llama.cpp runs the original as its `llama` "
-                                "architecture, which takes Llama checkpoints")
+            head_dim = check_llama_original(cfg) if engine == "llama.cpp" else check_source(cfg)
             layout = resolve(cfg, **v.budget())
         except UserError as exc:
             errors.append((f"experiments.{v.experiment}.model", f"{where} cannot be exported: {exc}"))
@@ -77,23 +74,8 @@ def serve_errors(config: dict, results: str = "results") -> list[tuple[str, str]
 
 
 def engine_error(config: dict) -> str | None:
-    """Why the engine evaluate.serve names cannot run the serve jobs (one line naming the fix), or None. vLLM on
-    the CPU: the venv of scripts/vllm-env, on a GPU: vLLM in the project's venv; llama.cpp: the venv of
-    scripts/llamacpp-env (checked, never built, here)."""
+    """Why the engine evaluate.serve names cannot run the serve jobs (one line naming the fix), or None."""
+    from mla.evaluation.engine_env import missing_engine
+
     engine = config["evaluate"].get("serve")
-    if engine == "llama.cpp":
-        from mla.evaluation.llamacpp_engine import LlamaCppEnvMissing, llamacpp_python
-
-        try:
-            llamacpp_python()
-        except LlamaCppEnvMissing as exc:
-            return str(exc)
-        return None
-    if engine == "vllm":
-        from mla.evaluation.vllm_engine import VllmEnvMissing, engine_python
-
-        try:
-            engine_python(config["evaluate"]["device"])
-        except VllmEnvMissing as exc:
-            return str(exc)
-    return None
+    return missing_engine(engine, config["evaluate"]["device"]) if engine else None
