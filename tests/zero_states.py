@@ -57,6 +57,8 @@ def main(stage: int, out_prefix: str) -> None:
                     partition_elements=sum(t.numel() for t in master))
     with open(f"{out_prefix}.{engine.global_rank}.json", "w") as f:
         json.dump(held, f)
+    engine.destroy()
+    launch.leave_process_group()
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def _train_here(cfg, manifest: dict, cuda: bool) -> int:
     from mla.training.trainer import run_training  # lazy: torch; keeps `mla --help` fast
 
     info = run_training(cfg, manifest)
+    launch.leave_process_group()
     if is_rank_zero() and "stopped_at_step" not in info:
         print(f"{cfg.out}: {info['steps']} steps, {info['tokens']} tokens, final loss "
               f"{info['train_loss']}, MLflow run {info['mlflow_run_id']} ({info['run_name']})")

@@ -51,6 +51,16 @@ def prepare_environment(cuda: bool) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def leave_process_group() -> None:
+    """Wait for every rank, then close torch.distributed: a gloo group left to interpreter exit can abort a rank
+    ("terminate called without an active exception") after its work is done, failing the launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def skip_shm_build() -> None:
     """DeepSpeed 0.19.8 builds `deepspeed_shm_comm` in every TorchBackend; training never uses it."""
     import deepspeed
