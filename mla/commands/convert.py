@@ -42,6 +42,12 @@ def add_arguments(p):
                         "`mla calibrate --covariance-out FILE` (joint or split)")
     g.add_argument("--covariance", metavar="FILE",
                    help="covariances used only to report each layer's output error (plain SVD)")
+    p.add_argument("--rope-fold", type=int, default=1, metavar="F",
+                   help="rotated/ladder: each RoPE component mixes F adjacent frequency pairs as well as the K/V "
+                        "heads (default 1: none; needs --whiten or --covariance; mla/conversion/freqfold.py)")
+    p.add_argument("--attention-aware", action="store_true",
+                   help="with --whiten: weigh each key error by the queries that score it and each value error "
+                        "by o_proj, K against V balanced (mla/conversion/readers.py)")
 
 
 def run(args):
@@ -50,6 +56,7 @@ def run(args):
     report = convert.convert_checkpoint(args.model, args.out, d_kv=args.d_kv, r=args.r,
                                         strategy=args.rope_strategy, scores_path=args.scores, svd=args.svd,
                                         whiten_path=args.whiten, covariance_path=args.covariance,
-                                        latent=args.latent, kv_width=args.kv_width, rope_share=args.rope_share)
+                                        latent=args.latent, kv_width=args.kv_width, rope_share=args.rope_share,
+                                        attention_aware=args.attention_aware, rope_fold=args.rope_fold)
     print(convert.main_report_line(report))
     return 0

@@ -22,7 +22,7 @@ import torch
 
 from mla import atomic, checkpoint, shapes
 from mla.conversion import layout as layouts
-from mla.conversion import balance, lowrank, partial_rope, rotation
+from mla.conversion import balance, freqfold, lowrank, partial_rope, readers, rotation
 from mla.conversion.ladder import ladder_for
 from mla.errors import UserError
 from mla.options import CALIBRATED_ROPE_STRATEGIES, DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD
@@ -86,7 +86,7 @@ def _rotated_rows(attn, rotated: rotation.RotatedLayer, head_dim: int) -> tuple[
 def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str, head_dim: int,
                   nope_query_scale: float = 1.0, fit_covariance: torch.Tensor | None = None,
                   report_covariance: torch.Tensor | None = None, *, rotated: rotation.RotatedLayer | None = None,
-                  shared_latent: bool = False) -> tuple[dict, dict]:
+                  shared_latent: bool = False, attention_aware: bool = False) -> tuple[dict, dict]:
     """New attention weights of one layer (state-dict keys of MLAAttention) and the SVD's errors:
     {"weight": ‖M − A‖/‖M‖, "output": the relative error of M x on inputs with `report_covariance`}.
 
@@ -94,7 +94,8 @@ def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str,
     components of the shared layout (mla/conversion/rotation.py). `shared_latent` repeats the key and value
     up-projections for every query head (mla/conversion/layout.py).
 
-    `fit_covariance` (the layer's input second moment) makes the SVD activation-aware (mla.conversion.lowrank).
+    `fit_covariance` (the layer's input second moment) makes the SVD activation-aware (mla.conversion.lowrank);
+    `attention_aware` weighs its errors by the queries and o_proj that read them (mla/conversion/readers.py).
 
     `nope_query_scale` multiplies the query's no-RoPE rows: the square of the RoPE attention factor
     (yarn), which the original applied to every dim through cos/sin and partial RoPE applies to the
@@ -122,7 +123,13 @@ def convert_layer(attn, pairs: torch.Tensor | None, kv_lora_rank: int, svd: str,
             out["k_rope_proj.bias"] = _gather_rows(attn.k_proj.bias.data, rope_k, head_dim)
         k_nope_bias = None if attn.k_proj.bias is None else _gather_rows(attn.k_proj.bias.data, nope_k, head_dim)
         rope_dim, head_width, method = 2 * pairs.shape[1], head_dim, svd
-    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, method, covariance=fit_covariance)
+    row_weight = None
+    if attention_aware:   # the no-RoPE query rows of each head, aligned with its K/V head's no-RoPE key rows
+        query_nope = out["q_proj.weight"].reshape(n_h, head_width, -1)[:, rope_dim:]
+        row_weight = readers.row_weight(query_nope, attn.o_proj.weight.data, k_nope, attn.v_proj.weight.data,
+                                        fit_covariance)
+    factors = lowrank.factorize(k_nope, attn.v_proj.weight.data, kv_lora_rank, method, covariance=fit_covariance,
+                                row_weight=row_weight)
     errors = {"weight": factors.relative_error, "output": None}
     if report_covariance is not None:
         m = torch.cat([k_nope, attn.v_proj.weight.data]).float()
@@ -155,6 +162,16 @@ def full_rank_d_kv(config: dict, r: int | None) -> int:
         raise UserError(f"--svd none: the full rank {full} of [W_k,nope; W_v] is not a multiple of the "
                         f"{s.kv_heads} KV heads; give --svd joint with --d-kv {full // s.kv_heads}")
     return full // s.kv_heads
+
+
+def check_rope_fold(fold: int, layout: layouts.Layout, has_covariances: bool) -> None:
+    """Folding needs the shared RoPE layout, a fold that divides a head's pairs, and the input covariances."""
+    if not layout.shared_rope:
+        raise UserError(f"--rope-fold {fold} needs --rope-strategy rotated or ladder (one RoPE key for all heads)")
+    if fold < 1 or (layout.head_dim // 2) % fold:
+        raise UserError(f"--rope-fold {fold} must divide the {layout.head_dim // 2} frequency pairs of a head")
+    if not has_covariances:
+        raise UserError(f"--rope-fold {fold} needs the input covariances (--whiten or --covariance FILE)")
 
 
 def resolve_options(config: dict, d_kv: int | None, r: int | None, strategy: str,
@@ -223,14 +240,16 @@ def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rot
 def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY, scores=None,
                   svd: str = DEFAULT_SVD, release_source: bool = False, covariances: dict | None = None,
                   whiten: bool = False, *, latent: str = DEFAULT_LATENT, kv_width: int | None = None,
-                  rope_share=None):
+                  rope_share=None, attention_aware: bool = False, rope_fold: int = 1):
     """Convert a loaded LlamaForCausalLM; returns (MLAForCausalLM, report dict).
 
     `scores`: the 2-norm scores [L, n_kv, d_h/2], or a scores file's dict / path (load_calibration), which
     the rotated strategy needs. `latent`, `kv_width` and `rope_share`: mla/conversion/layout.py.
     With `release_source`, each source layer's attention is dropped once converted (streaming).
     `covariances` (load_covariances) adds each layer's output error to the report (on its held-out part
-    when it has one); with `whiten` the SVD is fitted to the calibration part (activation-aware).
+    when it has one); with `whiten` the SVD is fitted to the calibration part (activation-aware), and with
+    `attention_aware` as well to what reads the latent (mla/conversion/readers.py). `rope_fold` > 1 folds
+    that many adjacent frequency pairs into each rotated RoPE component (mla/conversion/freqfold.py).
     """
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -245,11 +264,20 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
         raise UserError("activation-aware SVD (--whiten) needs --svd joint or split; none keeps the full rank")
     if whiten and covariances is None:
         raise UserError("activation-aware SVD (whiten) needs input covariances from `mla calibrate --covariance-out`")
+    if attention_aware and not whiten:
+        raise UserError("attention-aware SVD (--attention-aware) needs the activation-aware one (--whiten FILE)")
+    if rope_fold != 1:
+        check_rope_fold(rope_fold, layout, covariances is not None)
     s = shapes.shape_of(cfg_dict)
     calibration = load_calibration(scores) if isinstance(scores, (str, Path)) else scores
     rotated = None
     if layout.shared_rope:
         rotated = rotated_layers(calibration, layout, s.layers)
+        if rope_fold != 1:    # the calibration file checked above; the folded groups' moments from the covariances
+            rotated = freqfold.fold_layers([layer.self_attn.k_proj.weight.data for layer in model.model.layers],
+                                           covariances["covariance"], calibration["query_pair_norms"],
+                                           layout.rope_components, rope_fold, s.head_dim,
+                                           ladder_for(s.head_dim).pairs if layout.ladder else None)
         pairs = [[layer.pairs] for layer in rotated]
     else:
         if isinstance(calibration, dict):
@@ -261,6 +289,10 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
         pairs = pair_tensor.tolist()
     provenance = {"d_kv": layout.d_kv, "r": layout.r, "rope_strategy": strategy, "svd": svd, "whitened": whiten,
                   "source": getattr(src_cfg, "_name_or_path", "") or ""}
+    if attention_aware:
+        provenance["attention_aware"] = True
+    if rope_fold != 1:
+        provenance["rope_fold"] = rope_fold
     if layout.shared_rope or layout.latent != DEFAULT_LATENT or layout.budget != "d_kv":
         provenance.update(layout.describe(), kv_width=layout.kv_width)
     config = _mla_config(src_cfg, rank, pairs, svd == "split", provenance, layout.rope_layout, layout.latent)
@@ -288,7 +320,8 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
             layer.self_attn, None if rotated else pair_tensor[i], rank, svd, s.head_dim, nope_query_scale,
             fit_covariance=covariances["covariance"][i] if whiten else None,
             report_covariance=None if report_cov is None else report_cov[i],
-            rotated=rotated[i] if rotated else None, shared_latent=layout.latent == "shared")
+            rotated=rotated[i] if rotated else None, shared_latent=layout.latent == "shared",
+            attention_aware=attention_aware)
         errors.append(err["weight"])
         output_errors.append(err["output"])
         new_state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
@@ -314,7 +347,7 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
               "reconstruction_error_per_layer": errors,
               "reconstruction_error_mean": sum(errors) / len(errors),
               "factor_imbalance_per_layer": imbalances,   # what balancing removed (mla/conversion/balance.py)
-              "whitened": whiten}
+              "whitened": whiten, "attention_aware": attention_aware, "rope_fold": rope_fold}
     if rotated is not None:   # per layer, the kept (frequency pair, rotated component) of the shared RoPE key
         report["rotated_components_per_layer"] = [layer.kept.tolist() for layer in rotated]
     if covariances is not None:
@@ -341,7 +374,8 @@ def count_parameters(model) -> int:
 def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: int | None = None, strategy: str = DEFAULT_ROPE_STRATEGY,
                        scores_path: str | Path | None = None, svd: str = DEFAULT_SVD,
                        whiten_path: str | Path | None = None, covariance_path: str | Path | None = None, *,
-                       latent: str = DEFAULT_LATENT, kv_width: int | None = None, rope_share=None) -> dict:
+                       latent: str = DEFAULT_LATENT, kv_width: int | None = None, rope_share=None,
+                       attention_aware: bool = False, rope_fold: int = 1) -> dict:
     """Read an HF checkpoint folder, write the MLA checkpoint (+ conversion.json) atomically to `out`.
 
     `whiten_path`: covariances to fit the SVD to (activation-aware); `covariance_path`: covariances used
@@ -357,6 +391,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
         raise UserError("activation-aware SVD (--whiten) needs --svd joint or split; none keeps the full rank")
     if whiten_path is not None and covariance_path is not None:
         raise UserError("give --whiten FILE (fit and report) or --covariance FILE (report only), not both")
+    if attention_aware and whiten_path is None:
+        raise UserError("attention-aware SVD (--attention-aware) needs the activation-aware one (--whiten FILE)")
+    if rope_fold != 1:
+        check_rope_fold(rope_fold, layout, (whiten_path or covariance_path) is not None)
     scores = load_calibration(scores_path)
     if layout.shared_rope:     # refuse an old or foreign scores file before loading the weights
         rotated_layers(scores, layout, shapes.shape_of(config).layers)
@@ -364,7 +402,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, d_kv: int | None, r: in
     covariances = None if cov_path is None else load_covariances(cov_path, config)
     model = checkpoint.load_model(src)
     mla_model, report = convert_model(model, d_kv, r, strategy, scores, svd, release_source=True,
-                                      covariances=covariances, whiten=whiten_path is not None, **budget)
+                                      covariances=covariances, whiten=whiten_path is not None,
+                                      attention_aware=attention_aware, rope_fold=rope_fold, **budget)
     report["source_checkpoint"] = str(src)
     report["covariance_file"] = str(cov_path) if cov_path else None
     report["scores_file"] = str(scores_path) if scores_path else None
@@ -398,7 +437,8 @@ def main_report_line(report: dict) -> str:
             f"mean SVD error {report['reconstruction_error_mean']:.4f}"
             + (f", output error {report['output_error_mean']:.4f} on {report['output_error_on']} inputs"
                if report.get("output_error_mean") is not None else "")
-            + (" (activation-aware)" if report.get("whitened") else ""))
+            + (" (attention-aware)" if report.get("attention_aware") else
+               " (activation-aware)" if report.get("whitened") else ""))
 
 
 __all__ = ["convert_model", "convert_checkpoint", "count_parameters", "resolve_options"]

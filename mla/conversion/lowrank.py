@@ -24,6 +24,10 @@ C + λI = L Lᵀ (Cholesky), the SVD of M L truncated to rank ρ, U_ρ S_ρ V_ρ
 down = V_ρᵀ L⁻¹. Since A ↦ A L is a bijection on rank-ρ matrices, this is the rank-ρ A that minimises
 E‖(M − A) x‖² + λ‖M − A‖²_F: the error of the layer's keys and values on the calibration inputs, which
 is what the model sees, instead of the error of the weights.
+
+Attention-aware: `row_weight` R (mla/conversion/readers.py) weighs each output row by what reads it, with
+Lᵣ Lᵣᵀ = R + λI: the SVD of Lᵣᵀ M L truncated, up = Lᵣ⁻ᵀ U_ρ S_ρ, down = V_ρᵀ L⁻¹, the rank-ρ A that minimises
+E‖Lᵣᵀ (M − A) x‖² (+ the damping terms).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla.conversion import readers
 from mla.options import DEFAULT_SVD
 from mla.options import SVD_METHODS as METHODS
 
@@ -103,25 +108,32 @@ def imbalance(up: torch.Tensor, down: torch.Tensor) -> float:
     return _largest_ratio(channel_scales(up, down))
 
 
-def _truncated(m: torch.Tensor, rank: int, white: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Balanced (up, down) of the best rank-`rank` approximation of m, in the norm ‖· L‖ when `white` = L is
-    given."""
+def _truncated(m: torch.Tensor, rank: int, white: torch.Tensor | None = None,
+               left: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Balanced (up, down) of the best rank-`rank` approximation of m, in the norm ‖Lᵣᵀ · L‖ when `white` = L
+    (and `left` = Lᵣ) are given."""
     if white is None:
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
         return balance_factors(u[:, :rank] * s[:rank], vh[:rank])
-    u, s, vh = torch.linalg.svd(m.double() @ white, full_matrices=False)
-    # down = V_ρᵀ L⁻¹, i.e. downᵀ solves Lᵀ downᵀ = V_ρ
+    weighted = m.double() @ white if left is None else left.T @ m.double() @ white
+    u, s, vh = torch.linalg.svd(weighted, full_matrices=False)
+    # down = V_ρᵀ L⁻¹, i.e. downᵀ solves Lᵀ downᵀ = V_ρ; up = Lᵣ⁻ᵀ U_ρ S_ρ
     down = torch.linalg.solve_triangular(white.T, vh[:rank].T, upper=True).T
-    up, down = balance_factors(u[:, :rank] * s[:rank], down)
+    up = u[:, :rank] * s[:rank]
+    if left is not None:
+        up = torch.linalg.solve_triangular(left.T, up, upper=True)
+    up, down = balance_factors(up, down)
     return up.float(), down.float()
 
 
 def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str = DEFAULT_SVD,
-              covariance: torch.Tensor | None = None, damp: float = 0.01) -> LowRankKV:
+              covariance: torch.Tensor | None = None, damp: float = 0.01,
+              row_weight: torch.Tensor | None = None) -> LowRankKV:
     """Factorise one layer's key-nope rows [rows_k, d] and value rows [rows_v, d] to latent width `rank`.
 
     With `covariance` (the layer's input second moment [d, d]) the factors are activation-aware (module
-    docstring) and `output_error` is reported for that covariance.
+    docstring) and `output_error` is reported for that covariance; `row_weight` [rows_k + rows_v, same] (with a
+    covariance) weighs the output rows too (attention-aware, mla/conversion/readers.py).
     """
     rows_k, rows_v, d = w_k_nope.shape[0], w_v.shape[0], w_v.shape[1]
     limit = max_rank(method, rows_k, rows_v, d)
@@ -133,16 +145,24 @@ def factorize(w_k_nope: torch.Tensor, w_v: torch.Tensor, rank: int, method: str 
     if covariance is not None and tuple(covariance.shape) != (d, d):
         raise ValueError(f"input covariance of shape {tuple(covariance.shape)} does not fit a layer with {d} inputs")
     white = None if covariance is None else whitening_factor(covariance.to(w_v.device), damp)
+    if row_weight is not None and white is None:
+        raise ValueError("an attention-aware SVD (row_weight) needs the input covariance")
+    if row_weight is not None and tuple(row_weight.shape) != (rows_k + rows_v,) * 2:
+        raise ValueError(f"row weight of shape {tuple(row_weight.shape)} does not fit {rows_k + rows_v} rows")
     k32, v32 = w_k_nope.float(), w_v.float()
     m = torch.cat([k32, v32])
     if method in ("joint", "none"):
-        up, down = _truncated(m, rank, white)
+        left = None if row_weight is None else readers.left_factor(row_weight.to(w_v.device))
+        up, down = _truncated(m, rank, white, left)
         up_k, up_v, approx = up[:rows_k], up[rows_k:], up @ down
     else:
         if rank % 2:
             raise ValueError(f"SVD 'split' needs an even latent width n_kv·d_kv, got {rank}")
-        up_k, down_k = _truncated(k32, rank // 2, white)
-        up_v, down_v = _truncated(v32, rank // 2, white)
+        left_k, left_v = (None, None) if row_weight is None else (
+            readers.left_factor(row_weight[:rows_k, :rows_k].to(w_v.device)),
+            readers.left_factor(row_weight[rows_k:, rows_k:].to(w_v.device)))
+        up_k, down_k = _truncated(k32, rank // 2, white, left_k)
+        up_v, down_v = _truncated(v32, rank // 2, white, left_v)
         down = torch.cat([down_k, down_v])
         approx = torch.cat([up_k @ down_k, up_v @ down_v])
     weight_error = float((m - approx).norm() / m.norm())

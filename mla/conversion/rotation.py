@@ -33,24 +33,37 @@ import torch
 
 @dataclass
 class RotatedLayer:
-    """One layer's rotation and the components that keep RoPE."""
+    """One layer's rotation and the components that keep RoPE. Components live in groups of `fold` adjacent
+    frequency pairs (1: one pair, the unfolded rotation); a component's index within its group runs over
+    (pair offset o, K/V head g) as o·n_kv + g."""
 
-    basis: torch.Tensor        # [d_h/2, n_kv, n_kv] U_k, column j = component j (eigenvalue descending)
-    kept: torch.Tensor         # [m, 2] (pair k, component j), sorted by k then j
+    basis: torch.Tensor        # [d_h/2 / fold, fold·n_kv, fold·n_kv] U_a, column j = component j (eigenvalue desc.)
+    kept: torch.Tensor         # [m, 2] (group a, component j), sorted by slot
+    fold: int = 1
+    slots: list[int] | None = None   # the frequency pair each kept component rotates with (fold 1: its group)
 
     @property
     def pairs(self) -> list[int]:
         """The frequency index of each kept component (the model's `rope_pairs` for the shared layout)."""
-        return self.kept[:, 0].tolist()
+        return self.kept[:, 0].tolist() if self.slots is None else list(self.slots)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.basis.shape[1] // self.fold
+
+    def coefficients(self) -> torch.Tensor:
+        """[m, fold, n_kv] (float64): kept component (a, j)'s weight on pair a·fold + o of K/V head g."""
+        u = self.basis.double()[self.kept[:, 0], :, self.kept[:, 1]]          # [m, fold·n_kv]
+        return u.reshape(-1, self.fold, self.kv_heads)
 
     def dropped_projector(self) -> torch.Tensor:
-        """P_k = Σ_{j dropped} u_j u_jᵀ = I − Σ_{j kept} u_j u_jᵀ, [d_h/2, n_kv, n_kv] (float64)."""
+        """P_a = Σ_{j dropped} u_j u_jᵀ = I − Σ_{j kept} u_j u_jᵀ, [d_h/2 / fold, fold·n_kv, fold·n_kv] (float64)."""
         u = self.basis.double()
-        half, n_kv, _ = u.shape
-        keep = torch.zeros(half, n_kv, dtype=torch.float64)
+        groups, width, _ = u.shape
+        keep = torch.zeros(groups, width, dtype=torch.float64)
         keep[self.kept[:, 0], self.kept[:, 1]] = 1.0
         kept_part = torch.einsum("kgj,kj,khj->kgh", u, keep, u)
-        return torch.eye(n_kv, dtype=torch.float64).expand(half, n_kv, n_kv) - kept_part
+        return torch.eye(width, dtype=torch.float64).expand(groups, width, width) - kept_part
 
 
 def pair_second_moment(keys: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -118,33 +131,38 @@ def _per_pair(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     return weight.double().reshape(heads, 2, head_dim // 2, *weight.shape[1:])
 
 
+def _kept_pairs(w: torch.Tensor, layer: RotatedLayer) -> torch.Tensor:
+    """[heads, 2, m, fold, ...]: for each kept component, the pairs of its group (per head and dim)."""
+    group = layer.kept[:, 0]
+    index = group[:, None] * layer.fold + torch.arange(layer.fold)                 # [m, fold]
+    return w[:, :, index]
+
+
 def rope_key_rows(w_k: torch.Tensor, layer: RotatedLayer, head_dim: int) -> torch.Tensor:
-    """The shared RoPE key's rows [2m, ...]: component (k, j)'s c-th dim = Σ_g U_k[g, j]·W_k[g, c·d_h/2 + k]."""
-    n_kv = layer.basis.shape[1]
-    k, j = layer.kept[:, 0], layer.kept[:, 1]
-    coeff = layer.basis.double()[k, :, j]                           # [m, n_kv]
-    w = _per_pair(w_k, n_kv, head_dim)[:, :, k]                     # [n_kv, 2, m, ...]
-    rows = torch.einsum("mg,gcm...->cm...", coeff, w)               # [2, m, ...]
+    """The shared RoPE key's rows [2m, ...]: component (a, j)'s c-th dim = Σ_{o,g} U_a[(o, g), j]·W_k[g, c·d_h/2 +
+    a·fold + o]."""
+    w = _kept_pairs(_per_pair(w_k, layer.kv_heads, head_dim), layer)         # [n_kv, 2, m, fold, ...]
+    rows = torch.einsum("mog,gcmo...->cm...", layer.coefficients(), w)       # [2, m, ...]
     return rows.reshape(-1, *w_k.shape[1:]).to(w_k.dtype)
 
 
 def rope_query_rows(w_q: torch.Tensor, layer: RotatedLayer, head_dim: int) -> torch.Tensor:
-    """Every query head's RoPE rows [n_h, 2m, ...]: U_k[g(h), j]·W_q[h, c·d_h/2 + k]."""
-    n_kv = layer.basis.shape[1]
+    """Every query head's RoPE rows [n_h, 2m, ...]: Σ_o U_a[(o, g(h)), j]·W_q[h, c·d_h/2 + a·fold + o]."""
+    n_kv = layer.kv_heads
     n_h = w_q.shape[0] // head_dim
-    k, j = layer.kept[:, 0], layer.kept[:, 1]
     group = torch.arange(n_h) // (n_h // n_kv)
-    coeff = layer.basis.double()[k, :, j][:, group]                 # [m, n_h]: U_k[g(h), j]
-    w = _per_pair(w_q, n_h, head_dim)[:, :, k]                      # [n_h, 2, m, ...]
-    rows = torch.einsum("mh,hcm...->hcm...", coeff, w)
+    coeff = layer.coefficients()[:, :, group]                                # [m, fold, n_h]
+    w = _kept_pairs(_per_pair(w_q, n_h, head_dim), layer)                    # [n_h, 2, m, fold, ...]
+    rows = torch.einsum("moh,hcmo...->hcm...", coeff, w)
     return rows.reshape(n_h, -1, *w_q.shape[1:]).to(w_q.dtype)
 
 
 def nope_key_rows(w_k: torch.Tensor, layer: RotatedLayer, head_dim: int) -> torch.Tensor:
     """The no-RoPE key rows [n_kv·d_h, ...]: each K/V head's keys projected onto the dropped components,
-    Σ_g' P_k[g, g']·W_k[g', c·d_h/2 + k] (zero on a pair whose components are all kept)."""
-    n_kv = layer.basis.shape[1]
-    proj = layer.dropped_projector()                                 # [half, n_kv, n_kv]
-    w = _per_pair(w_k, n_kv, head_dim)                               # [n_kv, 2, half, ...]
-    rows = torch.einsum("kgh,hck...->gck...", proj, w)
+    Σ_{o',g'} P_a[(o, g), (o', g')]·W_k[g', c·d_h/2 + a·fold + o'] (zero where every component is kept)."""
+    n_kv, fold = layer.kv_heads, layer.fold
+    groups = layer.basis.shape[0]
+    proj = layer.dropped_projector().reshape(groups, fold, n_kv, fold, n_kv)   # [a, o, g, o', g']
+    w = _per_pair(w_k, n_kv, head_dim).reshape(n_kv, 2, groups, fold, *w_k.shape[1:])
+    rows = torch.einsum("aogph,hcap...->gcao...", proj, w)
     return rows.reshape(w_k.shape).to(w_k.dtype)

@@ -39,15 +39,22 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from mla.conversion.layout import conflicting_budget
-from mla.options import DEFAULT_LATENT, DEFAULT_ROPE_STRATEGY, DEFAULT_SVD, FIT_DEFAULTS, LADDER_ROPE_STRATEGY
+from mla.options import (
+    DEFAULT_LATENT,
+    DEFAULT_ROPE_STRATEGY,
+    DEFAULT_SVD,
+    FIT_DEFAULTS,
+    LADDER_ROPE_STRATEGY,
+    SHARED_ROPE_STRATEGIES,
+)
 from mla.training.config import TrainConfig
 
 RESERVED_NAMES = ("original", "baseline")
 # How a run is launched, not what it computes (mla/training/resume.py keeps these out of its key too).
 LAUNCH_KEYS = ("nproc", "nodes", "micro_batch_size", "zero_stage", "offload_optimizer", "gradient_checkpointing",
                "save_steps", "device", "gpu_memory_gb", "gpu_tokens_per_second", "max_job_hours")
-VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "svd", "whiten", "latent", "kv_width", "rope_share", "steps", "lr",
-                "distill", "trainable", "label", "paper", "fit")
+VARIANT_KEYS = ("d_kv", "r", "rope_strategy", "rope_fold", "svd", "whiten", "attention_aware", "latent", "kv_width",
+                "rope_share", "steps", "lr", "distill", "trainable", "label", "paper", "fit")
 RUN_SETTINGS = ("steps", "lr", "distill", "trainable")    # per-variant changes to the training recipe
 
 
@@ -71,6 +78,8 @@ class Variant:
     kv_width: int | None = None              # a budget by cache width instead of d_kv and r ...
     rope_share: str | float | None = None    # ... with this fraction of it given to RoPE dims
     fit: dict | None = field(default=None, hash=False)   # layer-wise fit settings (all keys), None: no fit
+    attention_aware: bool = False            # the whitened SVD weighed by the latent's readers (readers.py)
+    rope_fold: int = 1                       # adjacent frequency pairs per rotated RoPE component (freqfold.py)
 
     @property
     def is_baseline(self) -> bool:
@@ -82,11 +91,13 @@ class Variant:
         if self.is_baseline:
             return None
         latent = "" if self.latent == DEFAULT_LATENT else f"-{self.latent}-latent"
-        white = "-white" if self.whiten else ""
+        white = ("-white" if self.whiten else "") + ("-attn" if self.attention_aware else "")
+        fold = f"-fold{self.rope_fold}" if self.rope_fold != 1 else ""
         if self.kv_width is not None:
-            return f"{self.rope_strategy}-kv{self.kv_width}-rope{_rope_dims_text(self)}-{self.svd}{white}{latent}"
+            return (f"{self.rope_strategy}{fold}-kv{self.kv_width}-rope{_rope_dims_text(self)}-{self.svd}{white}"
+                    f"{latent}")
         r = "auto" if self.r is None else self.r
-        name = f"{self.rope_strategy}-r{r}-{self.svd}{white}"
+        name = f"{self.rope_strategy}{fold}-r{r}-{self.svd}{white}"
         return (name if self.d_kv is None else f"{name}-dkv{self.d_kv}") + latent
 
     def budget(self) -> dict:
@@ -287,7 +298,8 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
     kind = exp.get("kind", "GQA").upper()
     out = []
     for name, own in declared_settings(exp).items():
-        s = {k: exp.get(k) for k in ("r", "rope_strategy", "svd", "whiten", "latent", "fit")}
+        s = {k: exp.get(k) for k in ("r", "rope_strategy", "rope_fold", "svd", "whiten", "attention_aware", "latent",
+                                     "fit")}
         if own.get("kv_width") is not None:   # a width budget decides r: the experiment's r is not for it
             s["r"] = None
         s.update({k: v for k, v in own.items() if k in VARIANT_KEYS})
@@ -298,6 +310,8 @@ def experiment_variants(config: dict, experiment: str) -> list[Variant]:
             d_kv=None if svd == "none" or s.get("d_kv") is None else int(s["d_kv"]),
             r=s["r"], rope_strategy=s["rope_strategy"] or DEFAULT_ROPE_STRATEGY, svd=svd,
             whiten=bool(s["whiten"]) and svd != "none",     # an experiment's whitening skips full-rank variants
+            attention_aware=bool(s["attention_aware"]) and bool(s["whiten"]) and svd != "none",
+            rope_fold=int(s["rope_fold"] or 1),
             train=train_settings(config, experiment, own), paper=own.get("paper"),
             latent=s["latent"] or DEFAULT_LATENT, rope_share=s.get("rope_share"),
             kv_width=None if s.get("kv_width") is None else int(s["kv_width"]),   # YAML may give 72.0
@@ -350,6 +364,12 @@ def variant_errors(config: dict) -> list[tuple[str, str]]:
                 errors.append((f"{key}.d_kv", f"svd: {svd} needs a latent size d_kv (or kv_width and rope_share)"))
             if svd == "none" and whiten:
                 errors.append((f"{key}.whiten", "activation-aware SVD needs svd: joint or split"))
+            if own.get("attention_aware") and not (svd != "none" and own.get("whiten", exp.get("whiten"))):
+                errors.append((f"{key}.attention_aware", "attention-aware SVD needs whiten: true and svd: joint "
+                                                         "or split"))
+            strategy = own.get("rope_strategy", exp.get("rope_strategy")) or DEFAULT_ROPE_STRATEGY
+            if (own.get("rope_fold", exp.get("rope_fold")) or 1) != 1 and strategy not in SHARED_ROPE_STRATEGIES:
+                errors.append((f"{key}.rope_fold", f"rope_fold needs rope_strategy rotated or ladder, not {strategy}"))
         baseline_fit = ((exp.get("overrides") or {}).get("baseline") or {}).get("fit")
         if baseline_fit is not None:
             errors.append((f"{where}.overrides.baseline.fit",

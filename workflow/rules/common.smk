@@ -138,6 +138,10 @@ def convert_args(wc):
         args += ["--scores", calib["scores"]]
     # whitened: fit the SVD to the covariances; plain: only report the output error on held-out blocks
     args += ["--whiten" if v.whiten else "--covariance", calib["covariance"]]
+    if v.attention_aware:
+        args += ["--attention-aware"]
+    if v.rope_fold != 1:
+        args += ["--rope-fold", v.rope_fold]
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
