@@ -31,7 +31,10 @@ original's: `passkey_after_conversion`, `passkey_after_fit`, `original_passkey` 
 answer's log-probability, each ± SE).
 
 `--only-splits` measures just the width splits (the RoPE budget at one cache width: retrieval against the
-number of RoPE components), with `--split-latent per_head` for the default's per-head latents.
+number of RoPE components), with `--split-latent per_head` for the default's per-head latents, `--split-folds 1 2 4`
+for each split once per RoPE fold (mla/conversion/freqfold.py) and `--attention-aware` for the attention-aware SVD
+(mla/conversion/readers.py): the default's GQA conversions are `--only-splits --split-strategy ladder
+--split-latent per_head --attention-aware` at --d-kv 8 / 16 / 32 (widths 48 / 72 / 120).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_recovery.py --model ~/.cache/mla/smollm2-135m-instruct-fp32 \\
         --data /tmp/rope/data --out recovery.json [--calibration-blocks 32] [--blocks 64] [--fit-steps 30]
@@ -69,7 +72,7 @@ class Method:
 
 def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,),
              only_splits: bool = False, split_latent: str = "shared", ladder: int = 0,
-             split_strategy: str = "rotated") -> list[Method]:
+             split_strategy: str = "rotated", split_folds=(1,), attention_aware: bool = False) -> list[Method]:
     """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits (only those: `only_splits`).
     `ladder` > 0: beside each rotated row of at most that many components, the same width in the ladder layout
     (one component per frequency, DeepSeek's RoPE ladder: what `mla export` needs), so its cost shows."""
@@ -94,9 +97,14 @@ def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per
         split = dict(kv_width=width, rope_share=str(Fraction(dims, width)), svd="joint")
         if dims == 2 * n_kv * r:          # the split of the rows above
             split = dict(rotated)
-        methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims ({split_strategy}, {dims // 2} "
-                              f"components) + latent {width - dims}",
-                              dict(split, strategy=split_strategy, latent=split_latent), whiten=True))
+        aware = {"attention_aware": True} if attention_aware else {}
+        for fold in split_folds:
+            folded = {"rope_fold": fold} if fold != 1 else {}
+            methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims ({split_strategy}, "
+                                  f"{dims // 2} components{f', folded by {fold}' if fold != 1 else ''}) + latent "
+                                  f"{width - dims}{', attention-aware' if attention_aware else ''}",
+                                  dict(split, strategy=split_strategy, latent=split_latent, **folded, **aware),
+                                  whiten=True))
         if only_splits or dims != 2 * n_kv * r:       # else the ladder row above stands beside this split
             methods += on_ladder(dict(split, latent=split_latent), dims // 2)
         if dims in per_head_splits and dims % (2 * n_kv) == 0:
@@ -315,6 +323,10 @@ def main() -> None:
                    help="latent layout of the split rows (default shared, as in the recovery ablation)")
     p.add_argument("--split-strategy", choices=("rotated", "ladder"), default="rotated",
                    help="RoPE layout of the split rows (default rotated)")
+    p.add_argument("--split-folds", type=int, nargs="+", default=[1], metavar="F",
+                   help="each split row once per RoPE fold (mla/conversion/freqfold.py; default 1: unfolded)")
+    p.add_argument("--attention-aware", action="store_true",
+                   help="split rows with the attention-aware SVD (mla/conversion/readers.py)")
     p.add_argument("--ladder", action="store_true",
                    help="beside each rotated row, the ladder layout at the same width (one RoPE component per "
                         "frequency: what `mla export --format deepseek_v3` needs), to show its cost")
@@ -327,7 +339,8 @@ def main() -> None:
     ladder = len(ladder_for(model.config.head_dim).pairs) if args.ladder else 0
     methods = ablation(n_kv, args.d_kv, args.r, args.splits, per_head_splits=tuple(args.per_head_splits),
                        only_splits=args.only_splits, split_latent=args.split_latent, ladder=ladder,
-                       split_strategy=args.split_strategy)
+                       split_strategy=args.split_strategy, split_folds=tuple(args.split_folds),
+                       attention_aware=args.attention_aware)
     fit = None
     if args.fit_steps:
         from mla.conversion.fit import FitSettings, join_blocks

@@ -16,10 +16,12 @@ def ids(batch=2, length=24, seed=3):
 
 
 def ladder_checkpoint(folder: Path, *, num_kv_heads=2, head_dim=64, svd="joint", latent="per_head", r=4,
-                      strategy="ladder", model_type="llama", **config) -> Path:
-    """A tiny random model (head scaled up: mla.export.tiny) converted with `strategy` at d_kv 6, with a tokenizer."""
+                      strategy="ladder", model_type="llama", conversion: dict | None = None, **config) -> Path:
+    """A tiny random model (head scaled up: mla.export.tiny) converted with `strategy` at d_kv 6 (and the
+    `conversion` options), with a tokenizer."""
     model = tiny_source(model_type, num_kv_heads=num_kv_heads, head_dim=head_dim, **config)
-    return save_ladder_conversion(model, folder, d_kv=6, r=r, strategy=strategy, svd=svd, latent=latent)
+    return save_ladder_conversion(model, folder, d_kv=6, r=r, strategy=strategy, svd=svd, latent=latent,
+                                  **(conversion or {}))
 
 
 def export(src: Path, out: Path, *extra: str) -> int:

@@ -29,6 +29,8 @@ CASES = {
                                                    "native"),
     "GQA d_h 128, split SVD": (dict(num_kv_heads=2, head_dim=128, svd="split"), "512"),
     "GQA d_h 32, shared latent, native latent": (dict(num_kv_heads=2, head_dim=32, latent="shared", r=3), "native"),
+    "GQA d_h 64, folded RoPE, attention-aware SVD": (
+        dict(num_kv_heads=2, head_dim=64, conversion=dict(rope_fold=4, whiten=True, attention_aware=True)), "512"),
 }
 
 

@@ -17,7 +17,7 @@ import yaml
 
 from mla.cli import main as mla_main
 from mla import shapes
-from mla.conversion import calibrate, rotation
+from mla.conversion import calibrate, freqfold, rotation
 from mla.conversion.ladder import ladder_for
 from mla.conversion.convert import convert_checkpoint, convert_model
 from mla.conversion.layout import LayoutError, resolve
@@ -195,6 +195,69 @@ def test_ladder_with_every_allowed_component_kept_is_the_original(source):
         converted, _ = convert_model(model, d_kv=None, r=half // n_kv, strategy="ladder", scores=cal, svd="none")
         assert (converted(x).logits - model(x).logits).abs().max().item() <= TOL
     assert all(pairs == list(range(half)) for (pairs,) in converted.config.rope_pairs)
+
+
+# ---------------------------------------------------------------- folded RoPE (mla/conversion/freqfold.py)
+def test_folding_by_one_is_the_ladder():
+    """F = 1 (moments from the input covariance) keeps the components the calibrated pair covariances keep."""
+    model = tiny_llama(num_kv_heads=2, head_dim=16)
+    cal = calibrate.calibration_pass(model, list(ids(batch=6, length=16, seed=11)), batch_size=3, covariance=True)
+    pairs = ladder_for(16).pairs
+    keys = [layer.self_attn.k_proj.weight.data for layer in model.model.layers]
+    folded = freqfold.fold_layers(keys, cal["covariance"], cal["query_pair_norms"], 5, 1, 16, pairs)
+    ladder = rotation.rotate_layers(cal["pair_covariance"], cal["query_pair_norms"], 5, pairs)
+    for f, layer, w_k, cov, pair_cov in zip(folded, ladder, keys, cal["covariance"], cal["pair_covariance"]):
+        moments = freqfold.group_second_moments(w_k, cov, 16, 1)
+        torch.testing.assert_close(moments / moments.sum(), pair_cov.double() / pair_cov.sum(), rtol=1e-4, atol=1e-7)
+        assert f.kept.tolist() == layer.kept.tolist() and f.pairs == layer.pairs
+
+
+def test_a_folded_ladder_keeps_one_component_per_slot_in_its_own_group():
+    model = tiny_llama(num_kv_heads=2, head_dim=16)
+    cal = calibrate.calibration_pass(model, list(ids(batch=6, length=16, seed=11)), batch_size=3, covariance=True)
+    converted, report = convert_model(model, r=3, strategy="ladder", scores=cal, covariances=cal, rope_fold=2,
+                                      d_kv=4)
+    assert report["rope_fold"] == 2 and converted.config.mha2mla["rope_fold"] == 2
+    for (pairs,), kept in zip(converted.config.rope_pairs, report["rotated_components_per_layer"]):
+        assert len(set(pairs)) == len(pairs) == 6 and pairs == sorted(pairs)
+        assert all(p // 2 == group for p, (group, _) in zip(pairs, kept))     # a slot of the component's group
+        assert len({group for group, _ in kept}) == 4      # every group of 2 pairs before any twice (6 of 8 pairs)
+
+
+@pytest.mark.parametrize("keys_in", ["one pair per group", "every pair"])
+def test_folding_is_exact_where_each_groups_keys_live_in_one_pair(keys_in):
+    """MQA with the keys of every odd pair zeroed: each group of 2 pairs has one component, in its even pair,
+    which keeps its own rotation, so folding by 2 loses nothing; with keys in both pairs it does lose."""
+    model = tiny_llama(num_kv_heads=1, head_dim=16)
+    if keys_in == "one pair per group":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                rows = layer.self_attn.k_proj.weight.view(2, 8, -1)          # [dim of the pair, pair, inputs]
+                rows[:, 1::2] = 0
+    cal, x = calibrate.calibration_pass(model, list(ids(batch=6, length=16, seed=11)), batch_size=3,
+                                        covariance=True), ids()
+    with torch.no_grad():
+        converted, _ = convert_model(model, d_kv=None, r=4, strategy="ladder", scores=cal, svd="none",
+                                     covariances=cal, rope_fold=2)
+        gap = (converted(x).logits - model(x).logits).abs().max().item()
+    if keys_in == "one pair per group":
+        assert gap <= TOL and all(pairs == [0, 2, 4, 6] for (pairs,) in converted.config.rope_pairs)
+    else:
+        assert gap > 100 * TOL
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"strategy": "high", "rope_fold": 2}, "needs --rope-strategy rotated or ladder"),
+    ({"strategy": "ladder", "rope_fold": 3}, "must divide the 8 frequency pairs"),
+    ({"strategy": "ladder", "rope_fold": 2, "covariances": None}, "needs the input covariances"),
+])
+def test_bad_folds_are_refused_naming_the_option(kwargs, message):
+    from mla.errors import UserError
+
+    model = tiny_llama(num_kv_heads=2, head_dim=16)
+    cal = calibrate.calibration_pass(model, list(ids(batch=2, length=16, seed=11)), batch_size=2, covariance=True)
+    with pytest.raises(UserError, match=message):
+        convert_model(model, d_kv=4, r=1, scores=cal, **{"covariances": cal, **kwargs})
 
 
 # ---------------------------------------------------------------- the cached width
@@ -517,6 +580,8 @@ def test_variants_name_their_layout_and_budget():
     ({"kv_width": 20, "rope_share": "1"}, "variants.bad.rope_share", "below 1"),
     ({"d_kv": 4, "r": 9, "rope_strategy": "rotated"}, "variants.bad.r", "r=9 is out of range"),
     ({"d_kv": 4, "latent": "grouped"}, "variants.bad.latent", "'grouped' is not one of"),
+    ({"d_kv": 4, "rope_fold": 2}, "variants.bad.rope_fold", "needs rope_strategy rotated or ladder, not 2-norm"),
+    ({"d_kv": 4, "attention_aware": True}, "variants.bad.attention_aware", "needs whiten: true"),
 ])
 def test_bad_budgets_are_named_before_any_job(variant, key, message):
     from mla.study.config_schema import config_problems
@@ -527,16 +592,17 @@ def test_bad_budgets_are_named_before_any_job(variant, key, message):
 
 
 def test_the_convert_rule_passes_the_layout_and_budget(tmp_path):
-    cfg = smoke_config(rot={"rope_strategy": "rotated", "kv_width": 20, "rope_share": "2/5", "latent": "shared"})
+    cfg = smoke_config(rot={"rope_strategy": "rotated", "kv_width": 20, "rope_share": "2/5", "latent": "shared",
+                            "whiten": True, "attention_aware": True, "rope_fold": 2})
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path),
                         "--configfile", str(tmp_path / "c.yaml"), "-n", "-p", "--cores", "1",
-                        "results/convert/tiny-gqa/rotated-kv20-rope8-joint-shared-latent"],
+                        "results/convert/tiny-gqa/rotated-fold2-kv20-rope8-joint-white-attn-shared-latent"],
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     command = next(line for line in (r.stdout + r.stderr).splitlines() if " convert " in line and "--kv-width" in line)
     for part in ("--rope-strategy rotated", "--kv-width 20 --rope-share 2/5", "--latent shared",
-                 "--scores results/calibrate/tiny-gqa/scores.pt"):
+                 "--scores results/calibrate/tiny-gqa/scores.pt", "--attention-aware", "--rope-fold 2"):
         assert part in command, command
 
 
@@ -572,3 +638,36 @@ def test_rotated_rope_loses_less_than_per_head_2norm_on_smollm2(smollm2_dir):
     print(f"loss change at 48 RoPE dims: 2-norm per head {summary['2-norm']}, rotated {summary['rotated']}; "
           f"rotated gains {gain:.3f} ± {gain_se:.3f} (original {np.mean(original):.3f})")
     assert gain > 5 * gain_se and summary["rotated"][0] < summary["2-norm"][0]
+
+
+@pytest.mark.slow
+def test_attention_aware_svd_and_folded_rope_lose_less_on_smollm2(smollm2_dir):
+    """SmolLM2-135M (GQA), calibration on 32 blocks of Python's documentation, loss change on 32 held-out blocks
+    (other topics) of 128 tokens, paired per block: at 48 ladder RoPE dims + a 72-wide latent the
+    attention-aware SVD against the activation-aware one; with the latent at full rank (only the RoPE change),
+    24 RoPE dims folded by 2 against unfolded."""
+    from pydoc_data.topics import topics
+
+    from mla.checkpoint import load_model, load_tokenizer
+    from mla.perplexity import per_block_losses
+    from mla.stats import mean_and_stderr
+
+    model, tok = load_model(smollm2_dir), load_tokenizer(smollm2_dir)
+    keys = sorted(topics)
+    calib = np.array(tok("\n\n".join(topics[k] for k in keys[:80])).input_ids[:32 * 128]).reshape(32, 128)
+    held = np.array(tok("\n\n".join(topics[k] for k in keys[-40:])).input_ids[:32 * 128]).reshape(32, 128)
+    cal = calibrate.calibration_pass(model, list(torch.as_tensor(calib)), batch_size=8, covariance=True)
+    original, _ = per_block_losses(model, held, batch_size=8)
+
+    def change(**options):
+        converted, _ = convert_model(model, strategy="ladder", scores=cal, covariances=cal, **options)
+        losses, _ = per_block_losses(converted, held, batch_size=8)
+        return [a - b for a, b in zip(losses, original)]
+
+    width = dict(kv_width=120, rope_share="2/5", whiten=True)
+    comparisons = {"attention-aware SVD": (change(**width), change(**width, attention_aware=True)),
+                   "RoPE folded by 2": (change(r=4, svd="none"), change(r=4, svd="none", rope_fold=2))}
+    for name, (before, after) in comparisons.items():
+        gain, se = mean_and_stderr([a - b for a, b in zip(before, after)])
+        print(f"{name}: loss change {mean_and_stderr(before)} -> {mean_and_stderr(after)}, gain {gain:.3f} ± {se:.3f}")
+        assert gain > 3 * se, name

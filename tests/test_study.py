@@ -288,13 +288,15 @@ def test_the_recovery_ablation_adds_one_method_per_variant_at_one_cache_width():
     assert vs[-1].is_baseline
     converted = vs[:-1]
     shape = shapes.read_config("smollm-135m")
-    assert [layout.resolve(shape, **v.budget()).kv_width for v in converted] == [72] * 8
+    assert [layout.resolve(shape, **v.budget()).kv_width for v in converted] == [72] * 10
     steps = [(v.whiten, v.rope_strategy, v.latent, v.kv_width, v.fit is not None, bool(v.train.get("distill")))
              for v in converted]
     assert steps == [(False, "2-norm", "per_head", None, False, False), (True, "2-norm", "per_head", None, False, False),
                      (True, "rotated", "per_head", None, False, False), (True, "rotated", "shared", None, False, False),
+                     (True, "rotated", "shared", 72, False, False), (True, "rotated", "shared", 72, False, False),
                      (True, "rotated", "shared", 72, False, False), (True, "rotated", "shared", 72, True, False),
                      (True, "rotated", "shared", 72, True, True), (True, "rotated", "per_head", 72, True, False)]
+    assert [(v.attention_aware, v.rope_fold) for v in converted[4:7]] == [(False, 1), (True, 1), (True, 2)]
     fit, distill, per_head = converted[-3:]
     assert distill.start == fit.start                    # distillation: the same fitted start ...
     assert distill.run_dir != fit.run_dir                # ... trained another way

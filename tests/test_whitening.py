@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mla.cli import main
-from mla.conversion import calibrate, lowrank
+from mla.conversion import calibrate, lowrank, readers
 from mla.conversion.convert import convert_model
 from mla.errors import UserError
 from mla.tiny_models import tiny_llama
@@ -111,3 +111,81 @@ def test_a_covariance_file_of_another_shape_is_refused(tiny_checkpoint, tmp_path
     assert main(["convert", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "o"), "--d-kv", "4",
                  "--rope-strategy", "high", "--whiten", str(tmp_path / "missing.pt")]) != 0
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- attention-aware SVD (mla/conversion/readers.py)
+def random_gram(n, seed):
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return a @ a.T / n + 0.1 * torch.eye(n, dtype=torch.float64)
+
+
+def read_error(m, approx, cov, weight):
+    """E‖Lᵣᵀ (M − A) x‖² / E‖Lᵣᵀ M x‖² with Lᵣ Lᵣᵀ = R + λI, the objective the attention-aware SVD minimises."""
+    left = readers.left_factor(weight)
+    e, m = left.T @ (m - approx).double(), left.T @ m.double()
+    return float(torch.trace(e @ cov.double() @ e.T) / torch.trace(m @ cov.double() @ m.T))
+
+
+@pytest.mark.parametrize("method", ["joint", "split"])
+def test_attention_aware_svd_is_the_optimum_of_the_read_error_and_exact_at_full_rank(method):
+    """Each SVD wins on its own objective: the attention-aware one on the error weighted by the readers, the
+    activation-aware one on the plain output error; both objectives differ, and full rank is exact."""
+    g = torch.Generator().manual_seed(4)
+    rows_v = 24 if method == "joint" else 12
+    w_k, w_v = torch.randn(12, 48, generator=g), torch.randn(rows_v, 48, generator=g)
+    x = correlated_inputs()
+    cov = x.T @ x / x.shape[0]
+    weight = torch.block_diag(random_gram(12, 1), random_gram(rows_v, 2) * 30)
+    m = torch.cat([w_k, w_v])
+    full = lowrank.max_rank(method, 12, rows_v, 48)
+    gains = []
+    for rank in range(2, full, 2):
+        white = lowrank.factorize(w_k, w_v, rank, method, covariance=cov, damp=1e-6)
+        aware = lowrank.factorize(w_k, w_v, rank, method, covariance=cov, damp=1e-6, row_weight=weight)
+        white_read, aware_read = (read_error(m, f.approximation(), cov, weight) for f in (white, aware))
+        assert aware_read <= white_read + 1e-6, rank
+        assert white.output_error <= aware.output_error + 1e-6, rank
+        gains.append(white_read - aware_read)
+    assert max(gains) > 0.01
+    top = lowrank.factorize(w_k, w_v, full, method, covariance=cov, row_weight=weight)
+    assert top.output_error < 1e-4
+
+
+def test_readers_weigh_keys_by_their_queries_and_values_by_o_proj_with_equal_energies():
+    """Q_g is the second moment of the queries of K/V head g's query heads, O_g the Gram of their o_proj
+    columns, and κ makes the weighted error energies of the keys and the values of M x itself equal."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, width, d = 4, 2, 6, 16
+    x = correlated_inputs(d=d, n=3000, seed=6).double()
+    cov = x.T @ x / x.shape[0]
+    query = torch.randn(heads, width, d, generator=g, dtype=torch.float64)
+    o_proj = torch.randn(d, heads * width, generator=g, dtype=torch.float64)
+    k_nope = torch.randn(kv_heads * width, d, generator=g, dtype=torch.float64)
+    w_v = torch.randn(kv_heads * width, d, generator=g, dtype=torch.float64)
+    keys = readers.key_grams(query, cov, kv_heads)
+    q = torch.einsum("hwd,nd->hnw", query, x)                                  # every query head's queries
+    torch.testing.assert_close(keys[1], (q[2].T @ q[2] + q[3].T @ q[3]) / x.shape[0])   # heads 2, 3 read head 1
+    values = readers.value_grams(o_proj, heads, kv_heads)
+    cols = o_proj.reshape(d, heads, width)
+    torch.testing.assert_close(values[0], cols[:, 0].T @ cols[:, 0] + cols[:, 1].T @ cols[:, 1])
+    weight = readers.row_weight(query, o_proj, k_nope, w_v, cov)
+    rows = kv_heads * width
+    key_part, value_part = weight[:rows, :rows], weight[rows:, rows:]
+    torch.testing.assert_close(value_part, torch.block_diag(*values))
+    kappa = key_part[:width, :width] / keys[0]
+    energy = [torch.trace(w @ m @ cov @ m.T) for w, m in ((key_part, k_nope), (value_part, w_v))]
+    assert kappa.std() < 1e-9 and energy[0] == pytest.approx(float(energy[1]), rel=1e-9)
+
+
+def test_attention_aware_conversion_needs_the_activation_aware_one(tiny_checkpoint, tmp_path, capsys):
+    model = tiny_llama(num_kv_heads=2, seed=3)
+    cov = calibrate.calibration_pass(model, [torch.arange(1, 33)], scores=False, covariance=True)
+    with pytest.raises(UserError, match="attention-aware SVD .* needs the activation-aware one"):
+        convert_model(model, d_kv=4, r=2, strategy="high", covariances=cov, attention_aware=True)
+    converted, report = convert_model(model, d_kv=4, r=2, strategy="high", covariances=cov, whiten=True,
+                                      attention_aware=True)
+    assert report["attention_aware"] and converted.config.mha2mla["attention_aware"] is True
+    assert main(["convert", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "o"), "--d-kv", "4",
+                 "--rope-strategy", "high", "--attention-aware"]) != 0
+    assert "needs the activation-aware one (--whiten FILE)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

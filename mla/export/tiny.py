@@ -23,13 +23,18 @@ def tiny_source(model_type: str = "llama", **shape):
 
 
 def save_ladder_conversion(model, out: str | Path, *, d_kv: int, r: int = 4, strategy: str = "ladder",
-                           svd: str = "joint", latent: str = "per_head", calibration_length: int = 16) -> Path:
+                           svd: str = "joint", latent: str = "per_head", calibration_length: int = 16,
+                           **options) -> Path:
     """Calibrate `model` on 6 random sequences of `calibration_length` tokens (seeded), convert it (`strategy`
-    ladder by default: what the export takes) and save the MLA checkpoint with the tiny tokenizer to `out`."""
+    ladder by default: what the export takes; `options`: more of convert_model's, which then gets the
+    calibration's covariances) and save the MLA checkpoint with the tiny tokenizer to `out`."""
     out = Path(out)
     ids = torch.randint(1, 512, (6, calibration_length), generator=torch.Generator().manual_seed(11))
-    scores = calibrate.calibration_pass(model, list(ids), batch_size=3)
-    converted, _ = convert_model(model, d_kv=d_kv, r=r, strategy=strategy, scores=scores, svd=svd, latent=latent)
+    scores = calibrate.calibration_pass(model, list(ids), batch_size=3, covariance=bool(options))
+    if options:
+        options["covariances"] = scores
+    converted, _ = convert_model(model, d_kv=d_kv, r=r, strategy=strategy, scores=scores, svd=svd, latent=latent,
+                                 **options)
     converted.save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)     # 512 tokens: ids past it are never produced, which is fine for these
     return out
