@@ -33,8 +33,9 @@ answer's log-probability, each ± SE).
 `--only-splits` measures just the width splits (the RoPE budget at one cache width: retrieval against the
 number of RoPE components), with `--split-latent per_head` for the default's per-head latents, `--split-folds 1 2 4`
 for each split once per RoPE fold (mla/conversion/freqfold.py) and `--attention-aware` for the attention-aware SVD
-(mla/conversion/readers.py): the default's GQA conversions are `--only-splits --split-strategy ladder
---split-latent per_head --attention-aware` at --d-kv 8 / 16 / 32 (widths 48 / 72 / 120).
+(mla/conversion/readers.py; `both`: each row without and with): the default's GQA conversions are
+`--only-splits --split-strategy ladder --split-latent per_head --attention-aware on` at --d-kv 8 / 16 / 32
+(widths 48 / 72 / 120) with its splits and folds.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_recovery.py --model ~/.cache/mla/smollm2-135m-instruct-fp32 \\
         --data /tmp/rope/data --out recovery.json [--calibration-blocks 32] [--blocks 64] [--fit-steps 30]
@@ -72,7 +73,7 @@ class Method:
 
 def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per_head_splits=(48,),
              only_splits: bool = False, split_latent: str = "shared", ladder: int = 0,
-             split_strategy: str = "rotated", split_folds=(1,), attention_aware: bool = False) -> list[Method]:
+             split_strategy: str = "rotated", split_folds=(1,), attention_aware: str = "off") -> list[Method]:
     """The cumulative methods at the width n_kv·(d_kv + 2r), then the width splits (only those: `only_splits`).
     `ladder` > 0: beside each rotated row of at most that many components, the same width in the ladder layout
     (one component per frequency, DeepSeek's RoPE ladder: what `mla export` needs), so its cost shows."""
@@ -97,14 +98,13 @@ def ablation(n_kv: int, d_kv: int = 16, r: int = 4, splits=(24, 36, 48, 60), per
         split = dict(kv_width=width, rope_share=str(Fraction(dims, width)), svd="joint")
         if dims == 2 * n_kv * r:          # the split of the rows above
             split = dict(rotated)
-        aware = {"attention_aware": True} if attention_aware else {}
         for fold in split_folds:
-            folded = {"rope_fold": fold} if fold != 1 else {}
-            methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims ({split_strategy}, "
-                                  f"{dims // 2} components{f', folded by {fold}' if fold != 1 else ''}) + latent "
-                                  f"{width - dims}{', attention-aware' if attention_aware else ''}",
-                                  dict(split, strategy=split_strategy, latent=split_latent, **folded, **aware),
-                                  whiten=True))
+            for aware in {"off": (False,), "on": (True,), "both": (False, True)}[attention_aware]:
+                extra = {**({"rope_fold": fold} if fold != 1 else {}), **({"attention_aware": True} if aware else {})}
+                methods.append(Method(f"{'' if only_splits else '+ '}split: {dims} RoPE dims ({split_strategy}, "
+                                      f"{dims // 2} components{f', folded by {fold}' if fold != 1 else ''}) + latent "
+                                      f"{width - dims}{', attention-aware' if aware else ''}",
+                                      dict(split, strategy=split_strategy, latent=split_latent, **extra), whiten=True))
         if only_splits or dims != 2 * n_kv * r:       # else the ladder row above stands beside this split
             methods += on_ladder(dict(split, latent=split_latent), dims // 2)
         if dims in per_head_splits and dims % (2 * n_kv) == 0:
@@ -325,8 +325,8 @@ def main() -> None:
                    help="RoPE layout of the split rows (default rotated)")
     p.add_argument("--split-folds", type=int, nargs="+", default=[1], metavar="F",
                    help="each split row once per RoPE fold (mla/conversion/freqfold.py; default 1: unfolded)")
-    p.add_argument("--attention-aware", action="store_true",
-                   help="split rows with the attention-aware SVD (mla/conversion/readers.py)")
+    p.add_argument("--attention-aware", choices=("off", "on", "both"), default="off",
+                   help="split rows with the attention-aware SVD (mla/conversion/readers.py), without, or both")
     p.add_argument("--ladder", action="store_true",
                    help="beside each rotated row, the ladder layout at the same width (one RoPE component per "
                         "frequency: what `mla export --format deepseek_v3` needs), to show its cost")

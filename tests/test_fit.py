@@ -247,6 +247,22 @@ def test_bench_recovery_scores_each_method_after_a_layer_fit_too():
     assert "| paper |" in bench_recovery.passkey_markdown(rows)
 
 
+def test_bench_recovery_splits_run_once_per_fold_and_svd():
+    """The width splits of benchmarks/bench_recovery.py: each split once per RoPE fold and, with `both`, once with
+    the activation-aware SVD alone and once attention-aware, all at the one cache width."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_recovery
+
+    methods = bench_recovery.ablation(3, 32, 4, splits=(48, 32), per_head_splits=(), only_splits=True,
+                                      split_latent="per_head", split_strategy="ladder", split_folds=(1, 2),
+                                      attention_aware="both")
+    options = [(m.options["rope_share"], m.options.get("rope_fold", 1), m.options.get("attention_aware", False))
+               for m in methods]
+    assert options == [(s, f, a) for s in ("2/5", "4/15") for f in (1, 2) for a in (False, True)]
+    assert all(m.whiten and m.options["kv_width"] == 120 and m.options["strategy"] == "ladder" for m in methods)
+    assert len({m.key() for m in methods}) == 8 and "folded by 2" in methods[2].name
+
+
 def test_a_layer_the_fit_makes_worse_keeps_its_converted_weights():
     """Full rank with every RoPE pair kept, the conversion is exact: any fit (here a learning rate far too high)
     can only make a layer err more, so every layer keeps its converted weights and the model stays exact."""
