@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -37,17 +38,22 @@ def test_short_form_names_labels_and_paths():
     cfg = default_config()
     variants = experiments.experiment_variants(cfg, "gqa2mla")
     assert [v.name for v in variants] == ["dkv8", "dkv16", "dkv32", "baseline"]
-    # the paper's cache widths (d_kv + 2r per K/V head), split as measured; the legend says the split
-    assert [(v.kv_width, v.rope_share, v.paper) for v in variants[:3]] == [(48, "1/2", 8), (72, "1/2", 16),
-                                                                          (120, "2/5", 32)]
-    assert [v.label for v in variants] == ["GQA2MLA d_kv = 8: 24 RoPE + 24 latent",
-                                           "GQA2MLA d_kv = 16: 36 RoPE + 36 latent",
-                                           "GQA2MLA d_kv = 32: 48 RoPE + 72 latent", "GQA"]
+    # the paper's cache widths (d_kv + 2r per K/V head: n_kv 3, r 4), split as measured; each legend says the
+    # split its layout really caches
+    from mla import shapes
+    from mla.conversion import layout
+
+    shape = shapes.read_config("smollm-135m")
+    assert [(v.kv_width, v.paper) for v in variants[:3]] == [(48, 8), (72, 16), (120, 32)]
+    for v in variants[:3]:
+        cached = layout.resolve(shape, **v.budget())
+        assert v.label == f"GQA2MLA d_kv = {v.paper}: {cached.rope_dims} RoPE + {cached.kv_lora_rank} latent"
+    assert variants[-1].label == "GQA"
     v8 = variants[0]
-    assert v8.whiten and v8.latent == "per_head"   # activation-aware SVD, ladder RoPE, a layer fit
-    assert v8.conversion == "ladder-kv48-rope24-joint-white"
-    assert v8.convert_dir == "results/convert/smollm2-135m/ladder-kv48-rope24-joint-white"
-    assert v8.fit_dir == f"results/fit/smollm2-135m/ladder-kv48-rope24-joint-white/{v8.fit_key}"
+    assert v8.whiten and v8.attention_aware and v8.latent == "per_head"   # the SVD, ladder RoPE, a layer fit
+    assert v8.conversion == f"ladder-fold{v8.rope_fold}-kv48-rope16-joint-white-attn"
+    assert v8.convert_dir == f"results/convert/smollm2-135m/{v8.conversion}"
+    assert v8.fit_dir == f"results/fit/smollm2-135m/{v8.conversion}/{v8.fit_key}"
     assert v8.run_dir == f"results/finetune/smollm2-135m/{v8.conversion}-{v8.fit_key}/{v8.recipe}"
     assert variants[-1].run_dir.startswith("results/finetune/smollm2-135m/baseline/t")
     assert variants[-1].is_baseline and variants[-1].conversion is None
@@ -79,7 +85,11 @@ def test_identical_work_is_one_job_across_variants_and_experiments():
     cfg = default_config()
     cfg["experiments"]["again"] = copy.deepcopy(cfg["experiments"]["gqa2mla"])
     same_as_16 = dict(cfg["experiments"]["gqa2mla"]["variants"]["dkv16"], label="another name")
-    cfg["experiments"]["again"]["variants"] = {"dkv8": {"kv_width": 48, "rope_share": 0.5}, "same-as-16": same_as_16}
+    own8 = cfg["experiments"]["gqa2mla"]["variants"]["dkv8"]          # dkv8 spelled another way
+    share = Fraction(own8["rope_share"])
+    spelled = {"kv_width": 48, "rope_share": f"{2 * share.numerator}/{2 * share.denominator}",
+               "rope_fold": own8["rope_fold"], "attention_aware": True}
+    cfg["experiments"]["again"]["variants"] = {"dkv8": spelled, "same-as-16": same_as_16}
     s = experiments.Study(validated(cfg))
     jobs = s.jobs()
     assert jobs["variants"] == 8 + 3
@@ -222,10 +232,12 @@ def test_a_fit_gets_its_own_start_and_leaves_the_other_variants_alone():
     other["experiments"]["gqa2mla"]["fit"] = {"steps": 20}
     v16_other = next(v for v in experiments.experiment_variants(validated(other), "gqa2mla") if v.name == "dkv16")
     assert v16_other.fit_key != v16.fit_key and v16_other.conversion == v16.conversion
-    # the fit reads its 64 training blocks from the model's data, which must hold them (and the runs' tokens)
+    # the fit reads its 64 training blocks from the model's data, which must hold them (and the runs' tokens and
+    # the calibration's blocks)
     t = s.config["train"]
     run_tokens = t["steps"] * t["batch_size"] * t.get("span", 1) * 128
-    assert budgets.train_tokens(s.config, "smollm2-135m") == max(64 * 128, run_tokens)
+    calibration_tokens = s.config["calibrate"]["samples"] * 128
+    assert budgets.train_tokens(s.config, "smollm2-135m") == max(64 * 128, run_tokens, calibration_tokens)
     small = copy.deepcopy(cfg)
     small["experiments"]["gqa2mla"]["fit"] = {"blocks": 200}
     assert budgets.train_tokens(validated(small), "smollm2-135m") == 200 * 128
