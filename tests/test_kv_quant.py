@@ -390,15 +390,15 @@ def test_workflow_refuses_a_group_size_that_does_not_divide_a_variant_at_parse_t
     from mla.study.kv_check import kv_group_errors
 
     cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
-    assert kv_group_errors(cfg) == []                          # 12 divides every default width
+    assert kv_group_errors(cfg) == []                          # 8 divides every default width
     bad = copy.deepcopy(cfg)
     bad["evaluate"]["kv_group_size"] = 48
     errors = kv_group_errors(bad)
-    assert ("evaluate.kv_group_size", "48 does not divide the 24 channels of the latent of gqa2mla/dkv8 "
+    assert ("evaluate.kv_group_size", "48 does not divide the 32 channels of the latent of gqa2mla/dkv8 "
             "(smollm2-135m)") in errors
     assert all(key == "evaluate.kv_group_size" for key, _ in errors)
     per_model = copy.deepcopy(cfg)
-    per_model["evaluate"]["kv_group_size"] = {"default": 12, "smollm2-135m-mha": 144}
+    per_model["evaluate"]["kv_group_size"] = {"default": 8, "smollm2-135m-mha": 144}
     errors = kv_group_errors(per_model)    # 144 divides the MHA latents 144 and 288, not 72 nor the RoPE key's 72
     assert {k for k, _ in errors} == {"evaluate.kv_group_size.smollm2-135m-mha"} and len(errors) == 4
 

@@ -7,6 +7,7 @@ the quick tier leaves the engine out."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,7 +147,17 @@ def test_llamacpp_refuses_a_quantized_cache_where_the_export_table_says(llamacpp
 
 
 # ---------------------------------------------------------------- SmolLM2-135M, the default's GQA variants
-DEFAULT_GQA = {"dkv32": (120, "2/5"), "dkv16": (72, "1/2"), "dkv8": (48, "1/2")}
+def default_gqa() -> dict:
+    """config.yaml's GQA variants: name -> the conversion options of mla.conversion.convert.convert_model."""
+    import yaml
+
+    from mla.study import experiments
+    from mla.study.config_schema import validated
+
+    cfg = validated(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
+    return {v.name: dict(kv_width=v.kv_width, rope_share=v.rope_share, strategy=v.rope_strategy, whiten=v.whiten,
+                         attention_aware=v.attention_aware, rope_fold=v.rope_fold)
+            for v in experiments.experiment_variants(cfg, "gqa2mla") if not v.is_baseline}
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +176,9 @@ def smollm2_variants(smollm2_dir, tmp_path_factory):
               if len(b) == 128][:16]
     cal = calibrate.calibration_pass(load_model(smollm2_dir), blocks, batch_size=4, covariance=True)
     out = {"orig": export(smollm2_dir, folder / "orig.gguf", "--type", "f16")}
-    for name, (width, share) in DEFAULT_GQA.items():
-        converted, _ = convert_model(load_model(smollm2_dir), kv_width=width, rope_share=share, strategy="ladder",
-                                     scores=cal, covariances={"covariance": cal["covariance"]}, whiten=True)
+    for name, options in default_gqa().items():
+        converted, _ = convert_model(load_model(smollm2_dir), scores=cal, covariances={"covariance": cal["covariance"]},
+                                     **options)
         converted.save_pretrained(folder / name)
         tok.save_pretrained(folder / name)
         out[name] = (folder / name, export(folder / name, folder / f"{name}.gguf", "--type", "f16"))
@@ -190,7 +201,7 @@ def test_smollm2_default_variants_in_llamacpp(llamacpp, smollm2_variants, smollm
     assert len(prompts) == PROMPTS
     original = llamacpp_engine.run(llamacpp, smollm2_variants["orig"], threads=2)["kv_cache"]["bytes_per_token"]
     assert original == pytest.approx(2 * 3 * 64 * 30 * 2, abs=3)          # K and V of 3 KV heads, 30 layers, f16
-    for name in DEFAULT_GQA:
+    for name in default_gqa():
         mla_dir, gguf_file = smollm2_variants[name]
         run = llamacpp_engine.run(llamacpp, gguf_file, threads=2, prompts=prompts, max_tokens=MAX_TOKENS)
         hf_tokens, hf_logits = greedy_with_logits(load_model(mla_dir), prompts, MAX_TOKENS)
