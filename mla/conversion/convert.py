@@ -217,8 +217,10 @@ def load_scores(path: str | Path | None) -> torch.Tensor | None:
 ROTATION_KEYS = ("pair_covariance", "query_pair_norms")
 
 
-def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rotation.RotatedLayer]:
-    """The rotation and kept components of every layer, from a scores file's statistics (load_calibration)."""
+def rotated_layers(calibration, layout: layouts.Layout, layers: int, fold: int = 1, key_weights=None,
+                   covariances=None) -> list[rotation.RotatedLayer]:
+    """The rotation and kept components of every layer, from a scores file's statistics (load_calibration);
+    with `fold` > 1, folded (mla/conversion/freqfold.py) from each layer's k_proj weight and input covariance."""
     where = (calibration or {}).get("path", "the scores") if isinstance(calibration, dict) else "the scores"
     if not isinstance(calibration, dict) or any(k not in calibration for k in ROTATION_KEYS):
         strategy = "ladder" if layout.ladder else "rotated"
@@ -233,6 +235,9 @@ def rotated_layers(calibration, layout: layouts.Layout, layers: int) -> list[rot
             raise UserError(f"{key} in {where} has shape {tuple(calibration[key].shape)} but this model needs "
                             f"{list(shape)}: the scores file belongs to another model")
     ladder_pairs = ladder_for(layout.head_dim).pairs if layout.ladder else None
+    if fold != 1:
+        return freqfold.fold_layers(key_weights, covariances, norms, layout.rope_components, fold, layout.head_dim,
+                                    ladder_pairs)
     return rotation.rotate_layers(cov, norms, layout.rope_components, ladder_pairs)
 
 
@@ -272,12 +277,9 @@ def convert_model(model, d_kv: int | None = None, r: int | None = None, strategy
     calibration = load_calibration(scores) if isinstance(scores, (str, Path)) else scores
     rotated = None
     if layout.shared_rope:
-        rotated = rotated_layers(calibration, layout, s.layers)
-        if rope_fold != 1:    # the calibration file checked above; the folded groups' moments from the covariances
-            rotated = freqfold.fold_layers([layer.self_attn.k_proj.weight.data for layer in model.model.layers],
-                                           covariances["covariance"], calibration["query_pair_norms"],
-                                           layout.rope_components, rope_fold, s.head_dim,
-                                           ladder_for(s.head_dim).pairs if layout.ladder else None)
+        keys = [layer.self_attn.k_proj.weight.data for layer in model.model.layers] if rope_fold != 1 else None
+        rotated = rotated_layers(calibration, layout, s.layers, rope_fold, keys,
+                                 covariances["covariance"] if rope_fold != 1 else None)
         pairs = [[layer.pairs] for layer in rotated]
     else:
         if isinstance(calibration, dict):
